@@ -1,0 +1,49 @@
+# opforge: the two commands a fresh machine needs are `make demo` (set up,
+# build, run the main job) and `make test` (set up, build, run the tests).
+# `make gpu-check` is for a GPU machine whose python3 already has torch.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMPS := .make
+# The CUDA build of torch: lets the CUDA kernels compile even without a GPU.
+TORCH_PKGS ?= torch==2.14.1 torchvision==0.29.1
+DEV_PKGS ?= ninja pytest expecttest numpy matplotlib
+
+.PHONY: demo test build gpu-check bench-docs clean
+
+$(STAMPS)/venv:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q $(TORCH_PKGS) $(DEV_PKGS)
+	@mkdir -p $(STAMPS) && touch $@
+
+# First build: an editable install (puts the opforge command on PATH);
+# later builds recompile only what changed.
+build: $(STAMPS)/venv
+	@if [ -f $(STAMPS)/installed ]; then \
+		$(PY) setup.py -q build_ext --inplace; \
+	else \
+		$(PY) -m pip install --no-build-isolation --no-deps -e . && touch $(STAMPS)/installed; \
+	fi
+
+demo: build
+	$(VENV)/bin/opforge demo
+
+test: build
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# On a GPU machine (python3 with torch and a GPU): build for its arch with
+# every core, run the CUDA tests, then the demo. Logs go to $OUT if set.
+OUT ?= out
+gpu-check:
+	@mkdir -p $(OUT)
+	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-native} OPFORGE_CUDA=1 \
+		$(PYTHON) setup.py build_ext --inplace > $(OUT)/build.log 2>&1 || { tail -n 60 $(OUT)/build.log; exit 1; }
+	PYTHONPATH=src $(PYTHON) -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee $(OUT)/pytest-cuda.log | tail -n 30
+	PYTHONPATH=src $(PYTHON) -m opforge_cli demo --device cuda 2>&1 | tee $(OUT)/demo.log
+
+clean:
+	rm -rf build $(STAMPS) src/opforge/_C*.so src/*.egg-info

@@ -1,0 +1,43 @@
+"""The one list of opforge's C++/CUDA sources and build flags.
+
+``setup.py`` (installed build) and :mod:`opforge.jit` (JIT build) both read
+``SOURCES`` from here, so the two builds can never drift apart. A new op adds
+its files to the lists below and nothing else.
+"""
+
+from pathlib import Path
+
+try:  # imported as opforge._build
+    from . import extension
+except ImportError:  # loaded by path from setup.py, before opforge is built
+    import importlib.util
+    import sys
+
+    _spec = importlib.util.spec_from_file_location("_opforge_extension", Path(__file__).with_name("extension.py"))
+    extension = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = extension
+    _spec.loader.exec_module(extension)
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+SOURCES = extension.SourceSet(
+    name="opforge_C",
+    root=PACKAGE_DIR,
+    cpu_sources=[
+        "csrc/module.cpp",
+        "csrc/schemas.cpp",
+        "csrc/cpu/add.cpp",
+        "csrc/cpu/add_default.cpp",
+        "csrc/cpu/add_avx2.cpp",
+        "csrc/cpu/add_avx512.cpp",
+    ],
+    cuda_sources=[
+        "csrc/cuda/add.cu",
+    ],
+    include_dirs=["csrc"],
+)
+
+
+def setup_extension():
+    """The setuptools extension ``opforge._C`` for an installed build."""
+    return extension.setup_extension(SOURCES, "opforge._C")

@@ -1,0 +1,1 @@
+"""Benchmark harness: timing, bandwidth ceilings, and (per op) bench cases."""

@@ -1,0 +1,80 @@
+"""Timing primitives: CUDA events on the GPU, torch.utils.benchmark on the CPU.
+
+Every timer warms up first and reports the median with p20/p80, in
+milliseconds. Inputs larger than the cache should be rotated by the caller
+(pass a function that cycles through several input sets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+
+
+@dataclasses.dataclass
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+
+    @classmethod
+    def from_samples(cls, samples_ms: list[float]) -> "Timing":
+        s = sorted(samples_ms)
+        q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
+        return cls(statistics.median(s), q[1], q[7])
+
+
+def time_cuda(fn, *, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_reps: int = 10) -> Timing:
+    """Median of per-call CUDA-event timings (like triton's do_bench)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    reps = max(min_reps, int(rep_ms / est))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return Timing.from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def time_cpu(fn, *, min_run_time: float = 0.2) -> Timing:
+    """torch.utils.benchmark's adaptive measurement; per-call times in ms."""
+    from torch.utils import benchmark
+
+    fn()  # warm-up (also triggers any lazy compilation)
+    m = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=min_run_time
+    )
+    per_call = [t * 1e3 for t in m.times]
+    return Timing.from_samples(per_call if len(per_call) > 1 else per_call * 2)
+
+
+def time_fn(fn, device: str, quick: bool = False) -> Timing:
+    if device == "cuda":
+        return time_cuda(fn, rep_ms=40.0 if quick else 100.0)
+    return time_cpu(fn, min_run_time=0.1 if quick else 0.3)
+
+
+def copy_bandwidth_gbps(device: str, nbytes: int | None = None) -> float:
+    """Measured device-copy bandwidth (bytes read + bytes written per second).
+
+    This is the memory ceiling every memory-bound case is compared against.
+    """
+    if nbytes is None:
+        nbytes = (1 << 30) if device == "cuda" else (256 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), device)
+    return 2 * nbytes / (t.median_ms * 1e-3) / 1e9

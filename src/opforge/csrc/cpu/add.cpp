@@ -1,0 +1,44 @@
+// CPU entry points of the add family: checks, promotion and the iterator
+// (opforge/elementwise.h), then the loop compiled for this CPU's best ISA
+// (cpu/add_kernels.h), parallel through TensorIterator::for_each.
+#include <ATen/TensorIterator.h>
+#include <torch/library.h>
+
+#include <opforge/cpu_isa.h>
+#include <opforge/elementwise.h>
+
+OPFORGE_CPU_DECLARE(void, add_loop, c10::ScalarType, char**, const int64_t*, int64_t, int64_t)
+OPFORGE_CPU_DECLARE(void, add_relu_loop, c10::ScalarType, char**, const int64_t*, int64_t, int64_t)
+OPFORGE_CPU_DECLARE(void, relu_backward_loop, c10::ScalarType, char**, const int64_t*, int64_t, int64_t)
+
+namespace {
+
+using Loop = void (*)(c10::ScalarType, char**, const int64_t*, int64_t, int64_t);
+
+at::Tensor run(Loop loop, const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
+               const char* b_name) {
+  auto iter = opforge::make_binary_float_iter(op, a, a_name, b, b_name);
+  const auto dtype = iter.dtype(0);
+  iter.for_each([&](char** data, const int64_t* strides, int64_t n, int64_t m) { loop(dtype, data, strides, n, m); });
+  return iter.output();
+}
+
+at::Tensor add_cpu(const at::Tensor& a, const at::Tensor& b) {
+  return run(OPFORGE_CPU_SELECT(add_loop), "opforge.add", a, "a", b, "b");
+}
+
+at::Tensor add_relu_cpu(const at::Tensor& a, const at::Tensor& b) {
+  return run(OPFORGE_CPU_SELECT(add_relu_loop), "opforge.add_relu", a, "a", b, "b");
+}
+
+at::Tensor add_relu_backward_cpu(const at::Tensor& grad, const at::Tensor& result) {
+  return run(OPFORGE_CPU_SELECT(relu_backward_loop), "opforge._add_relu_backward", grad, "grad", result, "result");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CPU, m) {
+  m.impl("add", &add_cpu);
+  m.impl("add_relu", &add_relu_cpu);
+  m.impl("_add_relu_backward", &add_relu_backward_cpu);
+}

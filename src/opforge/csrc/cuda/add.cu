@@ -1,0 +1,45 @@
+// CUDA kernels of the add family: 16-byte vectorized loads for contiguous
+// operands, a strided kernel for broadcast/non-contiguous ones; current
+// stream, device guard, launch check, no host synchronisation.
+#include <ATen/TensorIterator.h>
+#include <torch/library.h>
+
+#include <opforge/cuda_launch.cuh>
+#include <opforge/cuda_loops.cuh>
+#include <opforge/dispatch.h>
+#include <opforge/elementwise.h>
+
+#include "add_functors.h"
+
+namespace {
+
+template <typename Op>
+at::Tensor run(const char* op_name, const at::Tensor& a, const char* a_name, const at::Tensor& b,
+               const char* b_name, Op op) {
+  auto iter = opforge::make_binary_float_iter(op_name, a, a_name, b, b_name);
+  const c10::cuda::CUDAGuard guard(iter.device());
+  OPFORGE_DISPATCH_FLOATING_TYPES(iter.dtype(0), "opforge_add_family", [&] {
+    opforge::cuda::binary_kernel<scalar_t>(iter, op);
+  });
+  return iter.output();
+}
+
+at::Tensor add_cuda(const at::Tensor& a, const at::Tensor& b) {
+  return run("opforge.add", a, "a", b, "b", opforge::add_ops::Add{});
+}
+
+at::Tensor add_relu_cuda(const at::Tensor& a, const at::Tensor& b) {
+  return run("opforge.add_relu", a, "a", b, "b", opforge::add_ops::AddRelu{});
+}
+
+at::Tensor add_relu_backward_cuda(const at::Tensor& grad, const at::Tensor& result) {
+  return run("opforge._add_relu_backward", grad, "grad", result, "result", opforge::add_ops::ReluBackward{});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
+  m.impl("add", &add_cuda);
+  m.impl("add_relu", &add_relu_cuda);
+  m.impl("_add_relu_backward", &add_relu_backward_cuda);
+}

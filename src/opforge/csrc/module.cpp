@@ -1,0 +1,39 @@
+// The compiled module `opforge._C`. Importing it runs every TORCH_LIBRARY
+// registration linked into this library; it defines no Python functions, so
+// it needs only the stable CPython ABI (the wheel is abi3).
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+#define OPFORGE_STR_(...) #__VA_ARGS__
+#define OPFORGE_STR(...) OPFORGE_STR_(__VA_ARGS__)
+
+namespace {
+
+// What this library was built with, as "key=value;..." so `opforge info` and
+// the import-time version check can read it without a Python binding.
+std::string build_info() {
+  std::string info = "torch=" OPFORGE_STR(OPFORGE_TORCH_MAJOR) "." OPFORGE_STR(OPFORGE_TORCH_MINOR);
+#ifdef OPFORGE_WITH_CUDA
+  info += ";cuda=" OPFORGE_STR(OPFORGE_CUDA_VERSION) ";archs=" OPFORGE_STR(OPFORGE_CUDA_ARCHS);
+#else
+  info += ";cuda=none";
+#endif
+  return info;
+}
+
+}  // namespace
+
+// The one TORCH_LIBRARY block of the `opforge` namespace; each op family adds
+// its schemas with TORCH_LIBRARY_FRAGMENT in csrc/<op>.cpp.
+TORCH_LIBRARY(opforge, m) {
+  m.def("_build_info() -> str", &build_info);
+}

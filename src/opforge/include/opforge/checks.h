@@ -1,0 +1,34 @@
+// Input checks with messages that name the op, the argument, what was
+// expected and what was got. TORCH_CHECK_TYPE / TORCH_CHECK_VALUE surface in
+// Python as TypeError / ValueError, so users can catch them precisely.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+namespace opforge {
+
+inline bool is_supported_float(c10::ScalarType t) {
+  return t == c10::kFloat || t == c10::kDouble || t == c10::kHalf || t == c10::kBFloat16;
+}
+
+// `name` must be a floating tensor of one of the four supported dtypes.
+inline void check_float_tensor(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_TYPE(t.defined(), op, ": ", name, " must be a tensor, got an undefined tensor");
+  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), op, ": ", name,
+                   " must be a float32, float64, float16 or bfloat16 tensor, got ", t.scalar_type());
+}
+
+inline void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                              const char* b_name, const char* op) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), op, ": ", a_name, " and ", b_name,
+                    " must be on the same device, got ", a_name, " on ", a.device(), " and ", b_name,
+                    " on ", b.device());
+}
+
+inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be a ", dim, "-d tensor, got ", t.dim(),
+                    "-d with shape ", t.sizes());
+}
+
+}  // namespace opforge

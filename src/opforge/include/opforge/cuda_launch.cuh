@@ -1,0 +1,33 @@
+// Launch helpers for CUDA kernels: grid sizes from the device's SM count,
+// and the stream/guard boilerplate every op needs.
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace opforge::cuda {
+
+// Number of SMs of the current device (cached by ATen).
+inline int sm_count() {
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+// Blocks for a grid-stride loop over `items` work items with `threads` per
+// block: enough to fill every SM (`max_threads_per_sm / threads` blocks each)
+// and never more than the work needs.
+inline int64_t grid_for(int64_t items, int threads) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t per_sm = std::max(1, prop->maxThreadsPerMultiProcessor / threads);
+  const int64_t needed = (items + threads - 1) / threads;
+  return std::max<int64_t>(1, std::min<int64_t>(needed, per_sm * prop->multiProcessorCount));
+}
+
+inline bool is_aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+}  // namespace opforge::cuda

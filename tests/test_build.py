@@ -1,0 +1,145 @@
+"""The build paths: JIT build and cache, CPU-only build, load errors, CLI."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import opforge
+from opforge import _loader, extension
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = Path(opforge.__file__).resolve().parent
+
+
+def run_python(code, env=None, timeout=900, cwd=None):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def jit_cache(tmp_path_factory):
+    """A fresh extensions folder holding one CPU-only JIT build of opforge."""
+    cache = tmp_path_factory.mktemp("torch_extensions")
+    env = {"OPFORGE_JIT": "1", "OPFORGE_CUDA": "0", "TORCH_EXTENSIONS_DIR": str(cache)}
+    proc = run_python(
+        """
+        import torch, opforge
+        from opforge import _loader
+        a, b = torch.randn(1000), torch.randn(1000)
+        assert torch.equal(opforge.add_relu(a, b), torch.relu(a + b))
+        print("SOURCE", _loader.source)
+        print("INFO", _loader.build_info())
+        """,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return cache, env, proc.stdout
+
+
+@pytest.mark.slow
+def test_jit_build_cpu_only(jit_cache):
+    cache, _, out = jit_cache
+    assert "SOURCE jit:" in out and str(cache) in out
+    assert "'cuda': 'none'" in out  # the CPU-only build says so
+    assert list(cache.rglob("opforge_C*.so"))
+
+
+@pytest.mark.slow
+def test_jit_reuses_cache_and_clears_stale_lock(jit_cache):
+    cache, env, _ = jit_cache
+    build_dir = next(p.parent for p in cache.rglob("opforge_C*.so"))
+    libs_before = {p: p.stat().st_mtime_ns for p in build_dir.glob("*.so")}
+    objects_before = {p: p.stat().st_mtime_ns for p in build_dir.glob("*.o")}
+    # A lock file left by a build that was killed half-way.
+    (build_dir / "lock").write_text("")
+    proc = run_python("import opforge; print(opforge.add(*__import__('torch').ones(2, 3)))", env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Nothing changed, so nothing was recompiled.
+    assert {p: p.stat().st_mtime_ns for p in build_dir.glob("*.o")} == objects_before
+    assert {p: p.stat().st_mtime_ns for p in build_dir.glob("*.so")} == libs_before
+
+
+@pytest.mark.slow
+def test_cache_clear_cli(jit_cache, tmp_path):
+    cache, env, _ = jit_cache
+    copy = tmp_path / "ext"
+    shutil.copytree(cache, copy)
+    env = {**env, "TORCH_EXTENSIONS_DIR": str(copy)}
+    proc = run_python("from opforge_cli import main; main(['cache', 'path'])", env=env)
+    assert proc.returncode == 0 and str(copy) in proc.stdout, proc.stderr
+    proc = run_python("from opforge_cli import main; main(['cache', 'clear'])", env=env)
+    assert proc.returncode == 0 and "removed" in proc.stdout, proc.stderr
+    assert not list(copy.rglob("opforge_C*.so"))
+
+
+def test_jit_build_error_shows_compiler_error(tmp_path):
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "broken.cpp").write_text("int main() { return undefined_name; }\n")
+    sources = extension.SourceSet(name="opforge_broken_test", root=tmp_path, cpu_sources=["csrc/broken.cpp"])
+    env_before = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    try:
+        with pytest.raises(extension.BuildError) as info:
+            extension.jit_load(sources, with_cuda=False)
+    finally:
+        if env_before is None:
+            os.environ.pop("TORCH_EXTENSIONS_DIR")
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = env_before
+    message = str(info.value)
+    assert "first error:" in message and "broken.cpp:1" in message and "undefined_name" in message
+
+
+def test_missing_compiled_module_is_an_import_error(tmp_path):
+    # A copy of the package without its compiled module, imported first on the path.
+    shutil.copytree(PKG, tmp_path / "opforge", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    proc = run_python("import opforge", env={"PYTHONPATH": str(tmp_path), "OPFORGE_JIT": "0"}, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "ImportError: opforge's compiled kernels (opforge._C) could not be loaded" in proc.stderr
+    assert "pip install --no-build-isolation -e ." in proc.stderr and "OPFORGE_JIT=1" in proc.stderr
+
+
+def test_kernels_for_another_torch_are_refused():
+    _loader.check_torch_version("2.14", "2.14.1+cu130")  # same release: fine
+    with pytest.raises(ImportError, match=r"built for torch 2.9 but torch 2.14 is installed. Rebuild them"):
+        _loader.check_torch_version("2.9", "2.14.1+cu130")
+
+
+def test_build_info_matches_this_torch():
+    info = _loader.build_info()
+    assert info["torch"] == ".".join(torch.__version__.split(".")[:2])
+    if _loader.source == "installed" and torch.version.cuda and extension.find_nvcc() and os.environ.get("OPFORGE_CUDA") != "0":
+        # The installed build compiles CUDA kernels whenever it can.
+        assert info["cuda"] != "none" and "archs" in info
+
+
+def test_cuda_decision_env(monkeypatch):
+    monkeypatch.setenv("OPFORGE_CUDA", "0")
+    assert extension.decide_cuda().enabled is False
+    monkeypatch.setenv("OPFORGE_CUDA", "maybe")
+    with pytest.raises(ValueError, match="OPFORGE_CUDA must be 0 or 1"):
+        extension.decide_cuda()
+
+
+def test_arch_list_default_and_override(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert extension.cuda_arch_list() == "8.0;8.6;8.9;9.0+PTX"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert extension.cuda_arch_list() == "9.0"
+
+
+def test_info_cli():
+    proc = run_python("from opforge_cli import main; main(['info'])")
+    assert proc.returncode == 0, proc.stderr
+    for key in ("opforge", "torch", "CUDA kernels", "ops", "add_relu", "JIT cache", "GPU"):
+        assert key in proc.stdout
