@@ -12,13 +12,7 @@ import torch
 import opforge
 
 from .bench.timing import copy_bandwidth_gbps, time_fn
-
-
-def slow_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The seeds' composition: three kernels in eager PyTorch."""
-    z = x + y
-    mask = z > 0
-    return z * mask.to(z.dtype)
+from .ops.add_bench import slow_add
 
 
 def run(device: str | None = None) -> None:
