@@ -10,7 +10,65 @@
 // It enables the instruction set for everything that follows and selects
 // at::vec's matching Vectorized types; CPU_CAPABILITY names the namespace
 // the kernels land in. It must come before any other include.
+//
+// Everything that is not ISA-specific is included here BEFORE the target
+// pragma, so it is compiled for the baseline ISA: functions that other
+// translation units share (inline functions of the standard library, c10,
+// ATen) then never carry AVX code, and gcc >= 13 does not refuse to inline
+// libstdc++'s always_inline helpers across a target mismatch.
 #pragma once
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <complex>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <c10/core/ScalarType.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <c10/util/complex.h>
+#include <c10/util/irange.h>
+#if __has_include(<c10/util/TypeCast.h>)
+#include <c10/util/TypeCast.h>
+#endif
+#if __has_include(<c10/util/Load.h>)
+#include <c10/util/Load.h>
+#endif
+#if __has_include(<c10/util/generic_math.h>)
+#include <c10/util/generic_math.h>
+#endif
+#if __has_include(<ATen/NumericUtils.h>)
+#include <ATen/NumericUtils.h>
+#endif
+#if __has_include(<ATen/native/Math.h>)
+#include <ATen/native/Math.h>
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #if defined(OPFORGE_ISA_AVX512)
 #define CPU_CAPABILITY AVX512
