@@ -110,7 +110,7 @@ def test_bad_inputs_raise_clear_errors(fn):
 def test_raw_op_checks_in_cpp(op):
     # Calling torch.ops directly skips the Python wrapper: the kernel checks too.
     raw = getattr(torch.ops.opforge, op)
-    with pytest.raises(TypeError, match=r"must be a float32, float64, float16 or bfloat16 tensor, got Int"):
+    with pytest.raises(TypeError, match=r"must be a float32, float64, float16 or bfloat16 tensor, got torch.int32"):
         raw(torch.ones(3, dtype=torch.int32), torch.ones(3))
     with pytest.raises(ValueError, match=r"with shape \[2, 3\] and .* with shape \[4\] are not broadcastable"):
         raw(torch.ones(2, 3), torch.ones(4))
@@ -149,6 +149,18 @@ def test_backward_matches_torch(fn, ref, dtype, device):
     assert a.grad.dtype == a.dtype and b.grad.dtype == b.dtype
     torch.testing.assert_close(a.grad, a2.grad)
     torch.testing.assert_close(b.grad, b2.grad)
+
+
+@pytest.mark.parametrize("fn", [opforge.add, opforge.add_relu])
+def test_no_grad_paths_agree(fn, device):
+    # Without gradients the wrappers skip the autograd layer: same values,
+    # no graph, also under no_grad with inputs that require grad.
+    a, b = rand((9, 4), device=device).requires_grad_(), rand((4,), device=device)
+    with torch.no_grad():
+        out = fn(a, b)
+    assert not out.requires_grad and out.grad_fn is None
+    assert torch.equal(out, fn(a.detach(), b))
+    assert fn(a, b).requires_grad
 
 
 def test_fused_backward_op_values(device):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
+from ._dispatch import call
 
 _ns = torch.ops.opforge
 
@@ -36,8 +37,11 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     tensor([[1., 2., 3.],
             [1., 2., 3.]])
     """
-    _check_binary("opforge.add", a, "a", b, "b")
-    return _ns.add.default(a, b)
+    # The kernel checks dtypes, devices and shapes with the same messages;
+    # only the argument types need checking before the dispatcher sees them.
+    _checks.tensor_arg("opforge.add", "a", a)
+    _checks.tensor_arg("opforge.add", "b", b)
+    return call(_ns.add.default, a, b)
 
 
 def add_relu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -47,8 +51,9 @@ def add_relu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     >>> opforge.add_relu(torch.tensor([1.0, -2.0]), torch.tensor([0.5, 1.0]))
     tensor([1.5000, 0.0000])
     """
-    _check_binary("opforge.add_relu", a, "a", b, "b")
-    return _ns.add_relu.default(a, b)
+    _checks.tensor_arg("opforge.add_relu", "a", a)
+    _checks.tensor_arg("opforge.add_relu", "b", b)
+    return call(_ns.add_relu.default, a, b)
 
 
 # --------------------------------------------------------------------------- fake kernels

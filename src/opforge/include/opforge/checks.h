@@ -6,7 +6,29 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <string>
+
 namespace opforge {
+
+// A dtype as Python users write it ("torch.int64"), so messages from C++
+// read the same as those raised by the Python wrappers.
+inline std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kByte: return "torch.uint8";
+    case c10::kChar: return "torch.int8";
+    case c10::kShort: return "torch.int16";
+    case c10::kInt: return "torch.int32";
+    case c10::kLong: return "torch.int64";
+    case c10::kBool: return "torch.bool";
+    case c10::kHalf: return "torch.float16";
+    case c10::kBFloat16: return "torch.bfloat16";
+    case c10::kFloat: return "torch.float32";
+    case c10::kDouble: return "torch.float64";
+    case c10::kComplexFloat: return "torch.complex64";
+    case c10::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
 
 inline bool is_supported_float(c10::ScalarType t) {
   return t == c10::kFloat || t == c10::kDouble || t == c10::kHalf || t == c10::kBFloat16;
@@ -16,7 +38,7 @@ inline bool is_supported_float(c10::ScalarType t) {
 inline void check_float_tensor(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK_TYPE(t.defined(), op, ": ", name, " must be a tensor, got an undefined tensor");
   TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), op, ": ", name,
-                   " must be a float32, float64, float16 or bfloat16 tensor, got ", t.scalar_type());
+                   " must be a float32, float64, float16 or bfloat16 tensor, got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b,
