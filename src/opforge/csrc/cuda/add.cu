@@ -2,6 +2,7 @@
 // operands, a strided kernel for broadcast/non-contiguous ones; current
 // stream, device guard, launch check, no host synchronisation.
 #include <ATen/TensorIterator.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <opforge/cuda_launch.cuh>
@@ -16,6 +17,15 @@ namespace {
 template <typename Op>
 at::Tensor run(const char* op_name, const at::Tensor& a, const char* a_name, const at::Tensor& b,
                const char* b_name, Op op) {
+  if (opforge::is_flat_binary(a, b)) {
+    const c10::cuda::CUDAGuard guard(a.device());
+    auto out = at::empty_like(a, at::MemoryFormat::Contiguous);
+    OPFORGE_DISPATCH_FLOATING_TYPES(a.scalar_type(), "opforge_add_family", [&] {
+      opforge::cuda::binary_contiguous<scalar_t>(out.mutable_data_ptr<scalar_t>(), a.const_data_ptr<scalar_t>(),
+                                                 b.const_data_ptr<scalar_t>(), a.numel(), op);
+    });
+    return out;
+  }
   auto iter = opforge::make_binary_float_iter(op_name, a, a_name, b, b_name);
   const c10::cuda::CUDAGuard guard(iter.device());
   OPFORGE_DISPATCH_FLOATING_TYPES(iter.dtype(0), "opforge_add_family", [&] {

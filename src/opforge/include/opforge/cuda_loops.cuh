@@ -78,6 +78,22 @@ __global__ void binary_strided_kernel(char* out, const char* a, const char* b, i
   }
 }
 
+// out[i] = op(a[i], b[i]) for i < n over flat arrays; 16-byte vectors when
+// all three are aligned. The caller holds a device guard.
+template <typename scalar_t, typename Op>
+void binary_contiguous(scalar_t* out, const scalar_t* a, const scalar_t* b, int64_t n, Op op) {
+  if (n == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  constexpr int N = vec_width<scalar_t>();
+  if (is_aligned(out, 16) && is_aligned(a, 16) && is_aligned(b, 16)) {
+    const int64_t blocks = grid_for(std::max<int64_t>(n / N, n % N), kThreads);
+    binary_contiguous_kernel<scalar_t, N><<<blocks, kThreads, 0, stream>>>(out, a, b, n, op);
+  } else {
+    binary_contiguous_kernel<scalar_t, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(out, a, b, n, op);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // out = op(a, b) over the iterator (operand 0 is the output). The caller
 // holds a device guard for the iterator's device.
 template <typename scalar_t, typename Op>
@@ -85,18 +101,10 @@ void binary_kernel(at::TensorIteratorBase& iter, Op op) {
   const int64_t n = iter.numel();
   if (n == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto* out = static_cast<scalar_t*>(iter.data_ptr(0));
-  const auto* a = static_cast<const scalar_t*>(iter.data_ptr(1));
-  const auto* b = static_cast<const scalar_t*>(iter.data_ptr(2));
   if (iter.is_contiguous()) {
-    constexpr int N = vec_width<scalar_t>();
-    if (is_aligned(out, 16) && is_aligned(a, 16) && is_aligned(b, 16)) {
-      const int64_t blocks = grid_for(std::max<int64_t>(n / N, n % N), kThreads);
-      binary_contiguous_kernel<scalar_t, N><<<blocks, kThreads, 0, stream>>>(out, a, b, n, op);
-    } else {
-      binary_contiguous_kernel<scalar_t, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(out, a, b, n, op);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    binary_contiguous<scalar_t>(static_cast<scalar_t*>(iter.data_ptr(0)),
+                                static_cast<const scalar_t*>(iter.data_ptr(1)),
+                                static_cast<const scalar_t*>(iter.data_ptr(2)), n, op);
     return;
   }
   OffsetMeta meta{};

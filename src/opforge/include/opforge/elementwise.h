@@ -11,6 +11,14 @@
 
 namespace opforge {
 
+// The common case needs no TensorIterator: same dtype (a supported float),
+// same shape, both contiguous on one device. A flat loop over the elements
+// then gives torch's result (a contiguous output), with less set-up cost.
+inline bool is_flat_binary(const at::Tensor& a, const at::Tensor& b) {
+  return a.defined() && b.defined() && a.scalar_type() == b.scalar_type() && is_supported_float(a.scalar_type()) &&
+         a.device() == b.device() && a.sizes().equals(b.sizes()) && a.is_contiguous() && b.is_contiguous();
+}
+
 // Checks both inputs, promotes them to their common dtype (torch's rules,
 // e.g. float16 + float32 -> float32), and builds an iterator with a freshly
 // allocated output. Mixed devices are an error (no implicit copies).
