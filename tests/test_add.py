@@ -268,3 +268,29 @@ def test_cuda_graph_capture_and_replay():
 def test_large_tensor_vector_path(dtype):
     n = (1 << 24) + 5  # vector body plus a ragged tail
     check_exact("add_relu", rand((n,), dtype, "cuda"), rand((n,), dtype, "cuda"))
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_every_cpu_isa_build_is_exact(capability):
+    # Each ISA's loops are separate machine code: check each one, picked the
+    # way torch picks its own (ATEN_CPU_CAPABILITY caps the choice).
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, opforge
+from opforge.ops.add import add, add_relu
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    for n in (1, 31, 1000, 70001):
+        a = torch.randn(n, dtype=torch.float64).to(dtype)
+        b = torch.randn(n, dtype=torch.float64).to(dtype)
+        assert torch.equal(add(a, b), (a.double() + b.double()).to(dtype)), (dtype, n)
+        assert torch.equal(add_relu(a, b), torch.relu(a.double() + b.double()).to(dtype)), (dtype, n)
+        assert torch.equal(add_relu(a[:, None], b[None, :7]), torch.relu(a.double()[:, None] + b.double()[None, :7]).to(dtype))
+print("ok", torch.backends.cpu.get_cpu_capability())
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok")

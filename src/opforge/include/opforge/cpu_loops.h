@@ -70,6 +70,16 @@ inline void binary_contiguous(scalar_t* out, const scalar_t* a, const scalar_t* 
   using opmath_t = typename IO::opmath_t;
   constexpr int64_t W = IO::kWidth;
   if (n <= 0) return;
+#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512) && (defined(__x86_64__) || defined(_M_X64))
+  // at::vec's portable x86 fallback emulates vectors element by element and
+  // is far slower than a plain loop the compiler vectorises for SSE2.
+  for (int64_t i = 0; i < n; ++i) {
+    const opmath_t x = kAScalar ? opmath_t(a[0]) : opmath_t(a[i]);
+    const opmath_t y = kBScalar ? opmath_t(b[0]) : opmath_t(b[i]);
+    out[i] = static_cast<scalar_t>(sop(x, y));
+  }
+  return;
+#endif
   const auto a_bc = IO::broadcast(a[0]);
   const auto b_bc = IO::broadcast(b[0]);
   int64_t i = 0;
