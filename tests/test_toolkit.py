@@ -315,3 +315,18 @@ def test_dockerfile_hadolint_if_available():
         pytest.skip("hadolint not installed (test_dockerfile_lint does the checks in Python)")
     proc = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_build_error_points_at_file_and_line():
+    log = (
+        "[1/2] c++ -MMD -c /p/csrc/cpu/op.cpp -o op.o -Werror=return-type\n"
+        "FAILED: op.o\n"
+        "In file included from /p/csrc/cpu/op.cpp:1:\n"
+        "\x1b[01m/p/csrc/op.h:3:10:\x1b[m \x1b[01;31merror: \x1b[m'x' was not declared in this scope\n"
+        "ninja: build stopped: subcommand failed.\n"
+    )
+    first, tail = extension._compiler_error(log)
+    assert first == "/p/csrc/op.h:3:10: error: 'x' was not declared in this scope"
+    assert "ninja: build stopped" in tail
+    first, _ = extension._compiler_error('/p/csrc/cuda/op.cu(42): error: identifier "foo" is undefined\n')
+    assert first.startswith("/p/csrc/cuda/op.cu(42): error")

@@ -372,10 +372,16 @@ def _torch_uses_kernel_lock() -> bool:
     return hasattr(cpp_extension, "FileLock")
 
 
+# "file.cpp:12:5: error: ..." (gcc/clang), "file.cu(12): error: ..." (nvcc).
+_LOCATED_ERROR = re.compile(r"(\S+:\d+(:\d+)?: (fatal )?error\b|\S+\(\d+\): (catastrophic )?error\b)")
+
+
 def _compiler_error(log: str) -> tuple[str, str]:
-    """The first line that reports an error, and the log's last 80 lines."""
-    lines = log.splitlines()
-    keep = [ln for ln in lines if re.search(r"(error|Error|undefined reference|fatal)", ln)]
+    """The first line that reports an error (one with file:line when there
+    is one), and the log's last 80 lines."""
+    lines = [re.sub(r"\x1b\[[0-9;]*[mK]", "", ln) for ln in log.splitlines()]  # drop colour codes
+    located = [ln for ln in lines if _LOCATED_ERROR.search(ln)]
+    keep = located or [ln for ln in lines if re.search(r"(error|Error|undefined reference|undefined symbol|fatal)", ln)]
     first = keep[0] if keep else ""
     return first, "\n".join(lines[-80:])
 
