@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import keyword
 import re
+import textwrap
 from pathlib import Path
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -91,6 +92,7 @@ def _context(name: str, kind: Kind) -> dict[str, str]:
         "op": kind.op,
         "summary": kind.summary,
         "usage": kind.usage.format(name=name),
+        "usage_block": textwrap.dedent(kind.usage.format(name=name)),
         "file_rows": kind.file_rows.format(name=name),
         "exports": ", ".join(kind.exports),
         "exports_quoted": ", ".join(f'"{e}"' for e in kind.exports),
