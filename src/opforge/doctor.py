@@ -45,9 +45,19 @@ def _torch_minor() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def required_cxx_standard(torch_version: tuple[int, int]) -> str:
-    """The C++ standard torch's headers need: C++20 from torch 2.10, C++17 before."""
-    return "c++20" if torch_version >= (2, 10) else "c++17"
+def required_cxx_standard(torch_version: tuple[int, int] | None = None) -> str:
+    """The C++ standard torch compiles extensions with.
+
+    Read from the installed torch's build helpers (newer releases pass
+    ``-std=c++20``, older ones ``-std=c++17``); for a given version without
+    looking, C++20 from torch 2.10.
+    """
+    if torch_version is not None:
+        return "c++20" if torch_version >= (2, 10) else "c++17"
+    from torch.utils import cpp_extension
+
+    source = Path(cpp_extension.__file__).read_text()
+    return "c++20" if "-std=c++20" in source else "c++17"
 
 
 def check_compiler() -> Check:
@@ -61,7 +71,7 @@ def check_compiler() -> Check:
         kind = "clang" if "clang" in _run([path, "--version"]).stdout.lower() else "g++"
     except (OSError, subprocess.SubprocessError) as exc:
         return Check("compiler", FAIL, f"{path} does not run: {exc}", "reinstall the compiler or point CXX at a working one")
-    std = required_cxx_standard(_torch_minor())
+    std = required_cxx_standard()
     probe = "#include <concepts>\n#include <span>\nint main() { return 0; }\n" if std == "c++20" else "#include <optional>\nint main() {}\n"
     try:
         proc = _run([path, f"-std={std}", "-fsyntax-only", "-x", "c++", "-"], stdin=probe)
