@@ -81,7 +81,13 @@ def validate_name(name: str) -> None:
         raise ScaffoldError(f"NAME must start with a lowercase letter and use only a-z, 0-9 and _, got {name!r}")
     if name in RESERVED or name.startswith(("torch", "opforge")):
         raise ScaffoldError(f"NAME {name!r} clashes with opforge, torch or one of torch's op namespaces; pick another")
-    if importlib.util.find_spec(name) is not None:
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    # A plain folder of that name (a namespace package, e.g. an empty
+    # ./NAME made for the project) shadows nothing.
+    if spec is not None and spec.origin not in (None, "namespace"):
         raise ScaffoldError(f"NAME {name!r} is already an importable module here; the new package would shadow it")
 
 
