@@ -1,4 +1,4 @@
-"""The ``opforge`` command: ``info``, ``demo``, ``cache``.
+"""The ``opforge`` command: ``info``, ``demo``, ``cache``, ``new``, ``doctor``.
 
 Run it as ``opforge ...`` (installed) or ``python -m opforge_cli ...``.
 """
@@ -34,6 +34,24 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_new(args) -> int:
+    from . import scaffold
+
+    try:
+        dest = scaffold.create(args.name, args.dir, args.kind)
+    except scaffold.ScaffoldError as exc:
+        print(f"opforge new: {exc}", file=sys.stderr)
+        return 2
+    print(scaffold.next_steps(dest, args.name))
+    return 0
+
+
+def _cmd_doctor(args) -> int:
+    from . import doctor
+
+    return doctor.main(check_kernels=not args.no_kernels)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opforge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="add_relu vs eager slow_add vs torch.compile on this machine")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("new", help="create a standalone extension project for your own op")
+    p.add_argument("name", help="package and torch namespace of the new project (a Python identifier)")
+    p.add_argument("--dir", default=None, help="where to create it (default: ./NAME); must be empty or absent")
+    p.add_argument("--kind", choices=["elementwise", "rowwise"], default="elementwise",
+                   help="elementwise: a fused binary op (add_relu); rowwise: a row reduction (softmax)")
+    p.set_defaults(func=_cmd_new)
+
+    p = sub.add_parser("doctor", help="check the toolchain a build needs and say how to fix what is missing")
+    p.add_argument("--no-kernels", action="store_true", help="skip loading opforge's kernels (in a subprocess)")
+    p.set_defaults(func=_cmd_doctor)
     return parser
 
 

@@ -77,12 +77,15 @@ class CudaDecision:
     reason: str
 
 
-def decide_cuda(env_var: str = "OPFORGE_CUDA") -> CudaDecision:
+def decide_cuda(env_var: str = "OPFORGE_CUDA", require_gpu: bool = False) -> CudaDecision:
     """Whether to build CUDA kernels, and why.
 
     ``env_var`` = 1 forces CUDA (and fails loudly if it cannot be built),
     0 turns it off; unset builds CUDA when the installed torch has CUDA and
-    nvcc is found.
+    nvcc is found. With ``require_gpu`` (the default of JIT builds in
+    projects made by ``opforge new``) an unset ``env_var`` also needs a
+    visible GPU: a CPU-only machine then builds the CPU kernels only, which
+    takes seconds instead of minutes.
     """
     import torch
 
@@ -90,6 +93,8 @@ def decide_cuda(env_var: str = "OPFORGE_CUDA") -> CudaDecision:
     nvcc = find_nvcc()
     if forced is False:
         return CudaDecision(False, f"{env_var}=0")
+    if require_gpu and forced is None and not torch.cuda.is_available():
+        return CudaDecision(False, f"no GPU visible (set {env_var}=1 to build the CUDA kernels anyway)")
     if torch.version.cuda is None:
         if forced:
             raise RuntimeError(f"{env_var}=1 but the installed torch {torch.__version__} has no CUDA support")
@@ -101,12 +106,20 @@ def decide_cuda(env_var: str = "OPFORGE_CUDA") -> CudaDecision:
     return CudaDecision(True, f"nvcc at {nvcc}")
 
 
-def cuda_arch_list() -> str:
+def cuda_arch_list(local_default: bool = False) -> str:
     """The arch list to build for: ``TORCH_CUDA_ARCH_LIST`` or the default.
 
     ``TORCH_CUDA_ARCH_LIST=native`` builds only for the GPUs of this machine.
+    With ``local_default`` (JIT builds) an unset ``TORCH_CUDA_ARCH_LIST``
+    means ``native`` when a GPU is visible: a build that only ever runs here
+    need not compile for every other GPU generation.
     """
     value = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if not value and local_default:
+        import torch
+
+        if torch.cuda.is_available():
+            value = "native"
     if value.lower() == "native":
         import torch
 
@@ -117,9 +130,9 @@ def cuda_arch_list() -> str:
     return value or DEFAULT_CUDA_ARCHS
 
 
-def _prepare_cuda_env() -> None:
+def _prepare_cuda_env(local_default: bool = False) -> None:
     # cpp_extension reads these globals; set them before it is imported.
-    os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list()
+    os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list(local_default)
     home = cuda_home()
     if home:
         os.environ["CUDA_HOME"] = home
@@ -143,6 +156,50 @@ def _wheel_cuda_dirs() -> tuple[list[str], list[str]]:
             if (root / "lib").is_dir() and str(root / "lib") not in libs:
                 libs.append(str(root / "lib"))
     return includes, libs
+
+
+# Folders of compiler-named links to ccache ("masquerade" folders), as the
+# distributions install them.
+CCACHE_DIRS = ("/usr/lib/ccache", "/usr/lib64/ccache", "/usr/local/lib/ccache", "/opt/homebrew/opt/ccache/libexec")
+
+
+def enable_ccache(env=None, dirs=CCACHE_DIRS) -> str | None:
+    """Route C++ (and nvcc) compiles through ccache when it is installed.
+
+    A rebuild after ``rm -rf`` of a build folder, a fresh virtualenv or a
+    branch switch then takes seconds. The C++ compiler is reached through
+    ccache's masquerade folder put first on ``PATH``: ``c++`` stays the same
+    gcc, so torch's compiler and ABI checks see what they expect (setting
+    ``CXX="ccache g++"`` would break them). nvcc goes through
+    ``PYTORCH_NVCC``, which torch's ninja build honours. ``OPFORGE_CCACHE=0``
+    turns it off. Returns what was enabled, or None.
+    """
+    env = os.environ if env is None else env
+    if _env_flag_in(env, "OPFORGE_CCACHE") is False:
+        return None
+    ccache = shutil.which("ccache", path=env.get("PATH"))
+    if ccache is None:
+        return None
+    enabled = []
+    path = env.get("PATH", "").split(os.pathsep)
+    for d in dirs:
+        if any(os.access(os.path.join(d, cc), os.X_OK) for cc in ("c++", "g++")):
+            if d not in path[:1]:
+                env["PATH"] = os.pathsep.join([d] + [p for p in path if p != d])
+            enabled.append(f"c++ via {d}")
+            break
+    nvcc = find_nvcc()
+    if nvcc and "PYTORCH_NVCC" not in env:
+        env["PYTORCH_NVCC"] = f"{ccache} {nvcc}"
+        enabled.append("nvcc")
+    return ", ".join(enabled) or None
+
+
+def _env_flag_in(env, name: str) -> bool | None:
+    value = env.get(name)
+    if value is None or value == "":
+        return None
+    return value.lower() not in ("0", "false", "no", "off")
 
 
 def max_jobs() -> int:
@@ -244,6 +301,9 @@ def setup_extension(src: SourceSet, module_name: str):
     decision = decide_cuda(src.cuda_env_var)
     if decision.enabled:
         _prepare_cuda_env()
+    cached = enable_ccache()
+    if cached:
+        print(f"{src.name}: compiling through ccache ({cached})", file=sys.stderr)
     from torch.utils import cpp_extension
 
     cxx, nvcc = src.flags(decision.enabled, for_wheel=True)
@@ -312,31 +372,44 @@ def _torch_uses_kernel_lock() -> bool:
     return hasattr(cpp_extension, "FileLock")
 
 
+# "file.cpp:12:5: error: ..." (gcc/clang), "file.cu(12): error: ..." (nvcc).
+_LOCATED_ERROR = re.compile(r"(\S+:\d+(:\d+)?: (fatal )?error\b|\S+\(\d+\): (catastrophic )?error\b)")
+
+
 def _compiler_error(log: str) -> tuple[str, str]:
-    """The first line that reports an error, and the log's last 80 lines."""
-    lines = log.splitlines()
-    keep = [ln for ln in lines if re.search(r"(error|Error|undefined reference|fatal)", ln)]
+    """The first line that reports an error (one with file:line when there
+    is one), and the log's last 80 lines."""
+    lines = [re.sub(r"\x1b\[[0-9;]*[mK]", "", ln) for ln in log.splitlines()]  # drop colour codes
+    located = [ln for ln in lines if _LOCATED_ERROR.search(ln)]
+    keep = located or [ln for ln in lines if re.search(r"(error|Error|undefined reference|undefined symbol|fatal)", ln)]
     first = keep[0] if keep else ""
     return first, "\n".join(lines[-80:])
 
 
-def jit_load(src: SourceSet, *, verbose: bool = False, with_cuda: bool | None = None) -> str:
+def jit_load(
+    src: SourceSet, *, verbose: bool = False, with_cuda: bool | None = None, require_gpu: bool = False
+) -> str:
     """Compile ``src`` into the torch extensions cache and load it.
 
     Rebuilds only what changed (ninja tracks sources and headers). Returns
     the loaded library's path. On failure raises :class:`BuildError` whose
     message starts with the first compiler error (file:line) and ends with
     the tail of the compiler's output; ``verbose`` also prints every command.
+
+    ``with_cuda`` None decides by :func:`decide_cuda` (``require_gpu`` is
+    passed on). CUDA JIT builds target the visible GPUs when
+    ``TORCH_CUDA_ARCH_LIST`` is unset. ccache is used when installed.
     """
     import io
 
     from torch.utils import cpp_extension
 
     if with_cuda is None:
-        decision = decide_cuda(src.cuda_env_var)
+        decision = decide_cuda(src.cuda_env_var, require_gpu=require_gpu)
         with_cuda = decision.enabled
     if with_cuda:
-        _prepare_cuda_env()
+        _prepare_cuda_env(local_default=True)
+    enable_ccache()
     cxx, nvcc = src.flags(with_cuda, for_wheel=False)
     build_dir = jit_build_directory(src.name)
     os.environ.setdefault("MAX_JOBS", str(max_jobs()))

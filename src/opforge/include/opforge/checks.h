@@ -53,4 +53,18 @@ inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const ch
                     "-d with shape ", t.sizes());
 }
 
+// `b` must have the same dtype as `a` (e.g. a gradient and the output it belongs to).
+inline void check_same_dtype(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
+                             const char* op) {
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), op, ": ", a_name, " and ", b_name,
+                   " must have the same dtype, got ", a.scalar_type(), " and ", b.scalar_type());
+}
+
+// `b` must have the same shape as `a` (no broadcasting).
+inline void check_same_shape(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
+                             const char* op) {
+  TORCH_CHECK_VALUE(a.sizes() == b.sizes(), op, ": ", a_name, " and ", b_name, " must have the same shape, got ",
+                    a.sizes(), " and ", b.sizes());
+}
+
 }  // namespace opforge
