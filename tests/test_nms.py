@@ -28,7 +28,8 @@ def rand_boxes(n, dtype=torch.float32, device="cpu", img=1000.0, wmin=4.0, wmax=
 
 
 def rand_scores(n, dtype=torch.float32, device="cpu"):
-    return torch.rand(n, dtype=torch.float64).to(dtype).to(device)
+    """Distinct in float32/float64 (a permutation), so torchvision's order is defined."""
+    return ((torch.randperm(n, dtype=torch.float64) + torch.rand(1, dtype=torch.float64)) / max(n, 1)).to(dtype).to(device)
 
 
 def ref_nms(boxes, scores, thr, idxs=None, score_threshold=None, max_output=None):

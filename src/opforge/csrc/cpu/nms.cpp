@@ -15,16 +15,13 @@
 // 6. Kept boxes are returned in score order (the global one for batched_nms).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/nonzero.h>
 #include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/sort.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -96,7 +93,19 @@ void sweep(const Soa<T>& b, int64_t s, int64_t e, T thr, int64_t max_keep, bool 
   }
 }
 
+// Scores as float64 (exact for every float dtype), read through strides.
+std::vector<double> scores_as_double(const at::Tensor& scores) {
+  std::vector<double> out(static_cast<size_t>(scores.size(0)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "opforge_nms_scores", [&] {
+    const auto acc = scores.accessor<scalar_t, 1>();
+    for (int64_t i = 0; i < scores.size(0); ++i) out[i] = static_cast<double>(acc[i]);
+  });
+  return out;
+}
+
 // Kept original indices in score order, at most `max_output` of them.
+// Plain loops rather than ATen calls: at these sizes each ATen op costs more
+// in dispatch and threading than the work it does.
 at::Tensor nms_kept_cpu(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
                         const std::optional<at::Tensor>& idxs, double iou_threshold,
                         std::optional<double> score_threshold, std::optional<int64_t> max_output) {
@@ -105,78 +114,95 @@ at::Tensor nms_kept_cpu(const char* op, const at::Tensor& boxes, const at::Tenso
   const int64_t limit = max_output.value_or(std::numeric_limits<int64_t>::max());
   if (boxes.size(0) == 0 || limit == 0) return at::empty({0}, long_opts);
 
-  // 1-2. candidates in score order (original indices).
-  at::Tensor cand;
-  at::Tensor cand_scores;
-  if (score_threshold.has_value()) {
-    // Compared exactly: every float converts to float64 without rounding.
-    cand = at::nonzero(scores.to(at::kDouble).gt(*score_threshold)).view({-1});
-    cand_scores = scores.index_select(0, cand);
-  } else {
-    cand = at::arange(boxes.size(0), long_opts);
-    cand_scores = scores;
+  // 1-2. candidates in score order (original indices): a stable sort,
+  // descending, NaN first (as torch.sort).
+  const std::vector<double> sc = scores_as_double(scores);
+  std::vector<int64_t> ord;
+  ord.reserve(sc.size());
+  for (int64_t i = 0; i < static_cast<int64_t>(sc.size()); ++i) {
+    if (!score_threshold.has_value() || sc[i] > *score_threshold) ord.push_back(i);
   }
-  const int64_t n = cand.size(0);
+  const int64_t n = static_cast<int64_t>(ord.size());
   if (n == 0) return at::empty({0}, long_opts);
-  const at::Tensor ord = cand.index_select(0, std::get<1>(cand_scores.sort(/*stable=*/true, 0, /*descending=*/true)));
+  std::stable_sort(ord.begin(), ord.end(), [&](int64_t a, int64_t b) {
+    const bool na = std::isnan(sc[a]), nb = std::isnan(sc[b]);
+    return na != nb ? na : (!na && sc[a] > sc[b]);
+  });
 
-  // 3. per-class segments, each in score order.
+  // 3. per-class segments, each in score order: `perm` (positions into ord)
+  // grouped by class.
   std::vector<int64_t> seg{0, n};
-  at::Tensor perm;  // positions into `ord`, grouped by class (batched only)
-  at::Tensor box_order = ord;
+  std::vector<int64_t> perm;
   if (idxs.has_value()) {
-    const at::Tensor cls = idxs->index_select(0, ord).to(at::kLong);
-    auto sorted = cls.sort(/*stable=*/true, 0, /*descending=*/false);
-    perm = std::get<1>(sorted);
-    box_order = ord.index_select(0, perm);
-    const at::Tensor cls_sorted = std::get<0>(sorted).contiguous();
-    const int64_t* c = cls_sorted.data_ptr<int64_t>();
+    const at::Tensor cls_t = idxs->to(at::kLong);
+    const auto cls = cls_t.accessor<int64_t, 1>();
+    perm.resize(static_cast<size_t>(n));
+    for (int64_t p = 0; p < n; ++p) perm[p] = p;
+    std::stable_sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) { return cls[ord[a]] < cls[ord[b]]; });
     seg.assign(1, 0);
     for (int64_t p = 1; p < n; ++p) {
-      if (c[p] != c[p - 1]) seg.push_back(p);
+      if (cls[ord[perm[p]]] != cls[ord[perm[p - 1]]]) seg.push_back(p);
     }
     seg.push_back(n);
   }
   const auto nseg = static_cast<int64_t>(seg.size()) - 1;
+  auto box_at = [&](int64_t p) { return perm.empty() ? ord[p] : ord[perm[p]]; };
 
   // 4-5.
-  const bool as_double = boxes.scalar_type() == at::kDouble;
-  const at::Tensor soa = boxes.index_select(0, box_order).to(as_double ? at::kDouble : at::kFloat).t().contiguous();
-  at::Tensor keep = at::zeros({n}, long_opts.dtype(at::kByte));
-  {
-    std::vector<uint8_t> removed(static_cast<size_t>(n), 0);
-    uint8_t* keep_p = keep.data_ptr<uint8_t>();
-    AT_DISPATCH_FLOATING_TYPES(soa.scalar_type(), "opforge_nms_cpu", [&] {
-      const scalar_t* d = soa.data_ptr<scalar_t>();
-      std::vector<scalar_t> area(static_cast<size_t>(n));
-      at::parallel_for(0, n, 1 << 14, [&](int64_t lo, int64_t hi) {
-        for (int64_t p = lo; p < hi; ++p) area[p] = (d[2 * n + p] - d[p]) * (d[3 * n + p] - d[n + p]);
-      });
-      const Soa<scalar_t> b{d, d + n, d + 2 * n, d + 3 * n, area.data()};
-      const scalar_t thr = opforge::nms::threshold_for<scalar_t>(iou_threshold);
-      if (nseg == 1) {
-        sweep<scalar_t>(b, 0, n, thr, limit, /*parallel=*/true, removed.data(), keep_p);
-      } else {
-        // Classes in parallel; the output is cut to max_output afterwards, in
-        // global score order.
-        at::parallel_for(0, nseg, 1, [&](int64_t lo, int64_t hi) {
-          for (int64_t g = lo; g < hi; ++g) {
-            sweep<scalar_t>(b, seg[g], seg[g + 1], thr, std::numeric_limits<int64_t>::max(), false,
-                            removed.data(), keep_p);
-          }
-        });
+  std::vector<uint8_t> removed(static_cast<size_t>(n), 0);
+  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> soa(static_cast<size_t>(5 * n));
+    T* d = soa.data();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), "opforge_nms_gather", [&] {
+      const auto acc = boxes.accessor<scalar_t, 2>();
+      for (int64_t p = 0; p < n; ++p) {
+        const int64_t i = box_at(p);
+        const T x1 = static_cast<T>(acc[i][0]), y1 = static_cast<T>(acc[i][1]);
+        const T x2 = static_cast<T>(acc[i][2]), y2 = static_cast<T>(acc[i][3]);
+        d[p] = x1;
+        d[n + p] = y1;
+        d[2 * n + p] = x2;
+        d[3 * n + p] = y2;
+        d[4 * n + p] = (x2 - x1) * (y2 - y1);
       }
     });
+    const Soa<T> b{d, d + n, d + 2 * n, d + 3 * n, d + 4 * n};
+    const T thr = opforge::nms::threshold_for<T>(iou_threshold);
+    if (nseg == 1) {
+      sweep<T>(b, 0, n, thr, limit, /*parallel=*/true, removed.data(), keep.data());
+    } else {
+      // Classes in parallel; the output is cut to max_output afterwards, in
+      // global score order.
+      at::parallel_for(0, nseg, 1, [&](int64_t lo, int64_t hi) {
+        for (int64_t g = lo; g < hi; ++g) {
+          sweep<T>(b, seg[g], seg[g + 1], thr, std::numeric_limits<int64_t>::max(), false, removed.data(),
+                   keep.data());
+        }
+      });
+    }
+  };
+  if (boxes.scalar_type() == at::kDouble) {
+    run(double(0));
+  } else {
+    run(float(0));
   }
 
   // 6. back to score order.
-  if (perm.defined()) {
-    at::Tensor keep_scored = at::zeros({n}, keep.options());
-    keep_scored.index_put_({perm}, keep);
-    keep = keep_scored;
+  if (!perm.empty()) {
+    std::vector<uint8_t> by_score(static_cast<size_t>(n), 0);
+    for (int64_t p = 0; p < n; ++p) by_score[perm[p]] = keep[p];
+    keep.swap(by_score);
   }
-  at::Tensor kept = ord.index_select(0, at::nonzero(keep).view({-1}));
-  if (kept.size(0) > limit) kept = kept.narrow(0, 0, limit);
+  int64_t k = 0;
+  for (int64_t p = 0; p < n; ++p) k += keep[p];
+  k = std::min(k, limit);
+  at::Tensor kept = at::empty({k}, long_opts);
+  int64_t* out = kept.data_ptr<int64_t>();
+  for (int64_t p = 0, j = 0; p < n && j < k; ++p) {
+    if (keep[p]) out[j++] = ord[p];
+  }
   return kept;
 }
 
