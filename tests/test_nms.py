@@ -385,6 +385,24 @@ def test_compile(device):
     assert torch.equal(compiled(b, s), opforge.nms(b, s, 0.5))
 
 
+def test_export_padded(device):
+    class Detect(torch.nn.Module):
+        def forward(self, boxes, scores, idxs):
+            return opforge.nms_padded(boxes, scores, 0.5, 32, idxs=idxs, score_threshold=0.1)
+
+    b = rand_boxes(60, device=device, img=100.0)
+    s = rand_scores(60, device=device)
+    idxs = torch.randint(0, 3, (60,), device=device)
+    n = torch.export.Dim("n", min=2)
+    ep = torch.export.export(Detect(), (b, s, idxs), dynamic_shapes=({0: n}, {0: n}, {0: n}))
+    b2 = rand_boxes(90, device=device, img=100.0)
+    s2 = rand_scores(90, device=device)
+    i2 = torch.randint(0, 3, (90,), device=device)
+    out = ep.module()(b2, s2, i2)
+    ref = opforge.nms_padded(b2, s2, 0.5, 32, idxs=i2, score_threshold=0.1)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
 # --------------------------------------------------------------------------- CUDA only
 
 
@@ -427,7 +445,7 @@ def test_cuda_vs_torchvision_cuda_integer_boxes(n):
     xy = torch.randint(0, 3000, (n, 2), device="cuda").float()
     wh = torch.randint(1, 64, (n, 2), device="cuda").float()
     boxes = torch.cat([xy, xy + wh], 1)
-    scores = torch.rand(n, device="cuda")
+    scores = rand_scores(n, device="cuda")  # distinct: torchvision's sort is not stable
     assert torch.equal(opforge.nms(boxes, scores, 0.5), torchvision.ops.nms(boxes, scores, 0.5))
     idxs = torch.randint(0, 80, (n,), device="cuda")
     assert torch.equal(opforge.batched_nms(boxes, scores, idxs, 0.5),
