@@ -77,9 +77,13 @@ __device__ __forceinline__ bool iou_above(T ix1, T iy1, T ix2, T iy2, T iarea, T
 }
 
 // removed[b]: bit r set when position 64b + r is past the end or was
-// dropped by score_threshold (valid may be null).
-__global__ void init_removed_kernel(const bool* __restrict__ valid, int64_t n, int64_t nb, u64* __restrict__ removed) {
+// dropped by score_threshold (valid may be null); keep_bits and the kept
+// count start at zero.
+__global__ void init_kernel(const bool* __restrict__ valid, int64_t n, int64_t nb, u64* __restrict__ removed,
+                            u64* __restrict__ keep_bits, int64_t* __restrict__ count) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *count = 0;
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < nb; b += int64_t(gridDim.x) * blockDim.x) {
+    keep_bits[b] = 0;
     u64 w = 0;
     for (int r = 0; r < kTile; ++r) {
       const int64_t p = b * kTile + r;
@@ -180,13 +184,15 @@ __global__ void __launch_bounds__(kSweepThreads) sweep_kernel(const u64* __restr
       u64 kept = 0;
       int nr = 0;
       int64_t c = s_count;
-      for (int r = 0; r < kTile && c < max_keep; ++r) {
-        if (!((rem >> r) & 1)) {
-          kept |= u64(1) << r;
-          s_rows[nr++] = r;
-          rem |= s_diag[r];
-          ++c;
-        }
+      // Visit only the boxes still live, lowest position first.
+      u64 live = ~rem;
+      while (live != 0 && c < max_keep) {
+        const int r = __ffsll(static_cast<long long>(live)) - 1;
+        kept |= u64(1) << r;
+        s_rows[nr++] = r;
+        rem |= s_diag[r];
+        ++c;
+        live = r == kTile - 1 ? 0 : ~rem & (~u64(0) << (r + 1));
       }
       keep_bits[b] = kept;
       s_nrows = nr;
@@ -242,8 +248,8 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
   const int64_t n = boxes.size(0);
   const int64_t limit = max_output.value_or(std::numeric_limits<int64_t>::max());
   at::Tensor out = at::full({out_len}, -1, long_opts);
-  at::Tensor count = at::zeros({}, long_opts);
-  if (n == 0 || out_len == 0) return {out, count};
+  if (n == 0 || out_len == 0) return {out, at::zeros({}, long_opts)};
+  at::Tensor count = at::empty({}, long_opts);  // written by scatter_kernel
   auto stream = at::cuda::getCurrentCUDAStream();
 
   // 1. score order, and the boxes that pass score_threshold.
@@ -264,13 +270,13 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
   if (valid.defined()) valid = valid.contiguous();
 
   const int64_t nb = (n + kTile - 1) / kTile;
-  at::Tensor removed = at::empty({nb}, long_opts);
-  at::Tensor keep_bits = at::zeros({nb}, long_opts);
-  at::Tensor kept_count = at::zeros({1}, long_opts);
-  auto* removed_p = reinterpret_cast<u64*>(removed.data_ptr<int64_t>());
-  auto* keep_p = reinterpret_cast<u64*>(keep_bits.data_ptr<int64_t>());
-  init_removed_kernel<<<opforge::cuda::grid_for(nb, 256), 256, 0, stream>>>(
-      valid.defined() ? valid.data_ptr<bool>() : nullptr, n, nb, removed_p);
+  // One buffer: removed words, kept words, kept count (set by init_kernel).
+  at::Tensor state = at::empty({2 * nb + 1}, long_opts);
+  auto* removed_p = reinterpret_cast<u64*>(state.data_ptr<int64_t>());
+  auto* keep_p = removed_p + nb;
+  int64_t* kept_count_p = state.data_ptr<int64_t>() + 2 * nb;
+  init_kernel<<<opforge::cuda::grid_for(nb, 256), 256, 0, stream>>>(
+      valid.defined() ? valid.data_ptr<bool>() : nullptr, n, nb, removed_p, keep_p, kept_count_p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor end_block;
   if (cls_sorted.defined()) {
@@ -303,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     sweep_kernel<<<1, kSweepThreads, 0, stream>>>(mask_p, end_p, nb, cb0, cb1, max_keep, removed_p, keep_p,
-                                                  kept_count.data_ptr<int64_t>());
+                                                  kept_count_p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
