@@ -19,6 +19,7 @@
 // 5. The mask is never materialised whole: rows are processed in chunks of
 //    at most kMaskBudgetWords words (512 MiB), so 1M boxes need no N^2/64
 //    words. A chunk's rows see columns from the chunk's start to the end.
+//    Once max_output boxes are kept (plain nms), later chunks do nothing.
 // 6. Compaction: kept flags in output order, an inclusive scan, a scatter
 //    into an output pre-filled with -1, and the count as a 0-d tensor.
 #include <ATen/core/Tensor.h>
@@ -95,7 +96,8 @@ __global__ void init_kernel(const bool* __restrict__ valid, int64_t n, int64_t n
 
 // end_block[b]: the column block holding the last box of the class of block
 // b's last box (classes sorted ascending).
-__global__ void end_block_kernel(const int64_t* __restrict__ cls, int64_t n, int64_t nb, int64_t* __restrict__ end_block) {
+__global__ void end_block_kernel(const int64_t* __restrict__ cls, int64_t n, int64_t nb,
+                                 int64_t* __restrict__ end_block) {
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < nb; b += int64_t(gridDim.x) * blockDim.x) {
     const int64_t last = min(b * kTile + kTile - 1, n - 1);
     const int64_t c = cls[last];
@@ -113,10 +115,14 @@ __global__ void end_block_kernel(const int64_t* __restrict__ cls, int64_t n, int
 // columns too (c - cb0), with `stride` = nb - cb0 words per row.
 template <typename T>
 __global__ void __launch_bounds__(kTile) mask_kernel(const T* __restrict__ boxes, const int64_t* __restrict__ cls,
-                                                    int64_t n, int64_t nb, int64_t cb0, T thr, u64* __restrict__ mask) {
+                                                    int64_t n, int64_t nb, int64_t cb0, T thr,
+                                                    const int64_t* __restrict__ count, int64_t max_keep,
+                                                    u64* __restrict__ mask) {
   const int64_t rb = cb0 + blockIdx.y;
   const int64_t cb = cb0 + blockIdx.x;
   if (cb < rb) return;
+  // max_output already reached by the earlier chunks: nothing will be read.
+  if (*count >= max_keep) return;
   const int64_t row0 = rb * kTile;
   const int64_t col0 = cb * kTile;
   const int rows = static_cast<int>(min(int64_t(kTile), n - row0));
@@ -288,7 +294,8 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
 
   // 3-5. mask chunk by chunk, each followed by its sweep.
   const bool as_double = boxes.scalar_type() == at::kDouble;
-  const at::Tensor sorted_boxes = boxes.index_select(0, box_order).to(as_double ? at::kDouble : at::kFloat).contiguous();
+  const at::Tensor sorted_boxes =
+      boxes.index_select(0, box_order).to(as_double ? at::kDouble : at::kFloat).contiguous();
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>({nb, kMaskBudgetWords / (kTile * nb), 65535}));
   at::Tensor mask = at::empty({chunk * kTile * nb}, long_opts);
   auto* mask_p = reinterpret_cast<u64*>(mask.data_ptr<int64_t>());
@@ -297,15 +304,17 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
   const int64_t max_keep = idxs.has_value() ? std::numeric_limits<int64_t>::max() : limit;
   const int64_t* cls_p = cls_sorted.defined() ? cls_sorted.data_ptr<int64_t>() : nullptr;
   const int64_t* end_p = end_block.defined() ? end_block.data_ptr<int64_t>() : nullptr;
+  const double thr_f64 = opforge::nms::threshold_for<double>(iou_threshold);
+  const float thr_f32 = opforge::nms::threshold_for<float>(iou_threshold);
   for (int64_t cb0 = 0; cb0 < nb; cb0 += chunk) {
     const int64_t cb1 = std::min(cb0 + chunk, nb);
     const dim3 grid(static_cast<unsigned>(nb - cb0), static_cast<unsigned>(cb1 - cb0));
     if (as_double) {
-      mask_kernel<double><<<grid, kTile, 0, stream>>>(sorted_boxes.data_ptr<double>(), cls_p, n, nb, cb0,
-                                                      opforge::nms::threshold_for<double>(iou_threshold), mask_p);
+      mask_kernel<double><<<grid, kTile, 0, stream>>>(sorted_boxes.data_ptr<double>(), cls_p, n, nb, cb0, thr_f64,
+                                                      kept_count_p, max_keep, mask_p);
     } else {
-      mask_kernel<float><<<grid, kTile, 0, stream>>>(sorted_boxes.data_ptr<float>(), cls_p, n, nb, cb0,
-                                                     opforge::nms::threshold_for<float>(iou_threshold), mask_p);
+      mask_kernel<float><<<grid, kTile, 0, stream>>>(sorted_boxes.data_ptr<float>(), cls_p, n, nb, cb0, thr_f32,
+                                                     kept_count_p, max_keep, mask_p);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     sweep_kernel<<<1, kSweepThreads, 0, stream>>>(mask_p, end_p, nb, cb0, cb1, max_keep, removed_p, keep_p,
@@ -315,8 +324,8 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
 
   // 6. kept flags in score order, scan, scatter.
   at::Tensor flags = at::empty({n}, long_opts);
-  flags_kernel<<<opforge::cuda::grid_for(n, 256), 256, 0, stream>>>(keep_p, perm.defined() ? perm.data_ptr<int64_t>() : nullptr,
-                                                                    n, flags.data_ptr<int64_t>());
+  const int64_t* perm_p = perm.defined() ? perm.data_ptr<int64_t>() : nullptr;
+  flags_kernel<<<opforge::cuda::grid_for(n, 256), 256, 0, stream>>>(keep_p, perm_p, n, flags.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor scan = at::cumsum(flags, 0);
   scatter_kernel<<<opforge::cuda::grid_for(n, 256), 256, 0, stream>>>(
