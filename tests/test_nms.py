@@ -219,7 +219,7 @@ def test_score_threshold_and_max_output(st, mo, device):
     check(boxes, scores, 0.5, idxs=idxs, score_threshold=st, max_output=mo)
 
 
-@pytest.mark.parametrize("n,classes", [(1, 1), (100, 1), (500, 3), (2000, 80), (3000, 7)])
+@pytest.mark.parametrize("n,classes", [(1, 1), (100, 1), (500, 3), (2000, 80), (3000, 7), (6000, 2)])
 @pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
 def test_batched_vs_torchvision(n, classes, idx_dtype, device):
     boxes = rand_boxes(n, device=device, img=300.0, wmax=100.0)

@@ -11,7 +11,7 @@
 //    are found in order, then all of them suppress the rest of the segment in
 //    one vectorised pass (cpu/nms_kernels.h), split over threads. Suppressed
 //    boxes are skipped, so the work is O(kept * N), not O(N^2).
-//    Segments (classes) run in parallel.
+//    Small segments (classes) run in parallel, large ones each in parallel.
 // 6. Kept boxes are returned in score order (the global one for batched_nms).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -173,14 +173,23 @@ at::Tensor nms_kept_cpu(const char* op, const at::Tensor& boxes, const at::Tenso
     if (nseg == 1) {
       sweep<T>(b, 0, n, thr, limit, /*parallel=*/true, removed.data(), keep.data());
     } else {
-      // Classes in parallel; the output is cut to max_output afterwards, in
-      // global score order.
+      // Small classes in parallel, large ones one after another with the
+      // parallel sweep. The output is cut to max_output afterwards, in global
+      // score order.
+      constexpr int64_t kLarge = 8 * kBlock;
+      const int64_t all = std::numeric_limits<int64_t>::max();
       at::parallel_for(0, nseg, 1, [&](int64_t lo, int64_t hi) {
         for (int64_t g = lo; g < hi; ++g) {
-          sweep<T>(b, seg[g], seg[g + 1], thr, std::numeric_limits<int64_t>::max(), false, removed.data(),
-                   keep.data());
+          if (seg[g + 1] - seg[g] <= kLarge) {
+            sweep<T>(b, seg[g], seg[g + 1], thr, all, false, removed.data(), keep.data());
+          }
         }
       });
+      for (int64_t g = 0; g < nseg; ++g) {
+        if (seg[g + 1] - seg[g] > kLarge) {
+          sweep<T>(b, seg[g], seg[g + 1], thr, all, true, removed.data(), keep.data());
+        }
+      }
     }
   };
   if (boxes.scalar_type() == at::kDouble) {
