@@ -30,9 +30,14 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/add_default.cpp",
         "csrc/cpu/add_avx2.cpp",
         "csrc/cpu/add_avx512.cpp",
+        "csrc/cpu/nms.cpp",
+        "csrc/cpu/nms_default.cpp",
+        "csrc/cpu/nms_avx2.cpp",
+        "csrc/cpu/nms_avx512.cpp",
     ],
     cuda_sources=[
         "csrc/cuda/add.cu",
+        "csrc/cuda/nms.cu",
     ],
     include_dirs=["csrc"],
 )
