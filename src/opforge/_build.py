@@ -33,6 +33,7 @@ SOURCES = extension.SourceSet(
     ],
     cuda_sources=[
         "csrc/cuda/add.cu",
+        "csrc/cuda/conv3x3_dense_mma.cu",  # + conv3x3_dense_mma.h
     ],
     include_dirs=["csrc"],
 )
