@@ -352,11 +352,11 @@ __global__ void __launch_bounds__(kThreads) conv3x3_dense_mma_kernel(const Param
       const int row = warp_m * kWarpM + i * 16 + g;
       float v0 = acc[i][j][0] + b0, v1 = acc[i][j][1] + b1;
       float v2 = acc[i][j][2] + b0, v3 = acc[i][j][3] + b1;
-      if (p.relu) {
-        v0 = fmaxf(v0, 0.f);
-        v1 = fmaxf(v1, 0.f);
-        v2 = fmaxf(v2, 0.f);
-        v3 = fmaxf(v3, 0.f);
+      if (p.relu) {  // NaN stays NaN, as in torch.relu
+        v0 = v0 < 0.f ? 0.f : v0;
+        v1 = v1 < 0.f ? 0.f : v1;
+        v2 = v2 < 0.f ? 0.f : v2;
+        v3 = v3 < 0.f ? 0.f : v3;
       }
       sC[row * kCStride + col] = Mma<T>::from_float(v0);
       sC[row * kCStride + col + 1] = Mma<T>::from_float(v1);
