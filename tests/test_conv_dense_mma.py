@@ -196,6 +196,28 @@ def test_odd_tails(dtype, shape, cl, stride, padding):
         check(*make_inputs(n, c, h, w, k, dtype, True, cl), stride, padding, relu=True)
 
 
+# Grids of at least four 128-pixel CTAs per SM take the 128 x 64 tile
+# configuration; everything smaller above takes 64 x 64. These make sure the
+# large configuration runs on every dtype and both output layouts.
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (32, 64, 56, 56, 64, 1, 1, True, True, True),
+        (32, 64, 56, 56, 64, 1, 1, True, True, False),
+        (16, 16, 63, 63, 100, 1, 1, True, False, True),
+        (16, 16, 63, 63, 100, 1, 0, False, True, False),
+        (64, 24, 33, 35, 72, 2, 1, True, True, True),
+    ],
+    ids=case_id,
+)
+def test_large_grids(dtype, case):
+    n, c, h, w, k, stride, padding, bias, relu, cl = case
+    with cudnn_tf32(True):
+        check(*make_inputs(n, c, h, w, k, dtype, bias, cl), stride, padding, relu)
+
+
 @pytest.mark.cuda
 def test_float32_small_channels():
     # float32 chunks are 4 values: C = 4 and 12 are accepted.

@@ -19,8 +19,10 @@
 // cp.async with a source size of 0, which writes zeros.
 //
 // Compute: CTA tile 128 (pixels) x 64 (channels) x 64 bytes of K_gemm
-// (32 half values / 16 floats), 4 warps in 2x2, each warp 64x32 with fp32
-// accumulators. bfloat16/float16 use mma.m16n8k16 fed by ldmatrix; float32
+// (32 half values / 16 floats), 3-stage pipeline (45 KB shared, 4 CTAs per
+// SM), 4 warps in 2x2, each warp 64x32 with fp32 accumulators; problems too
+// small to give every SM four such CTAs use 64 x 64 tiles with 4 stages
+// instead (twice the CTAs). bfloat16/float16 use mma.m16n8k16 fed by ldmatrix; float32
 // uses TF32 mma.m16n8k8 (inputs rounded to TF32 with cvt.rna), only when
 // torch allows TF32 for cuDNN convolutions, as F.conv2d does. Shared-memory
 // rows are padded from 64 to 80 bytes, which makes the cp.async stores,
@@ -52,26 +54,27 @@
 
 namespace {
 
-constexpr int kBM = 128;             // output pixels per CTA
-constexpr int kBN = 64;              // output channels per CTA
-constexpr int kBKBytes = 64;         // bytes of K_gemm per pipeline stage
+// Tile shape: kBM (output pixels, 128 or 64, a template parameter) x kBN
+// (output channels) x kBKBytes of K_gemm per pipeline stage.
+constexpr int kBN = 64;
+constexpr int kBKBytes = 64;
 constexpr int kRowBytes = kBKBytes + 16;  // padded shared-memory row (conflict free)
-constexpr int kStages = 3;
-constexpr int kThreads = 128;        // 4 warps, 2 (M) x 2 (N), each 64 x 32
-constexpr int kChunksPerRow = kBKBytes / 16;           // 16-byte chunks per row: 4
+constexpr int kThreads = 128;             // 4 warps, 2 (M) x 2 (N), each kBM/2 x 32
+constexpr int kChunksPerRow = kBKBytes / 16;            // 16-byte chunks per row: 4
 constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 32
-constexpr int kAIters = kBM / kRowsPerPass;             // 4
 constexpr int kBIters = kBN / kRowsPerPass;             // 2
-constexpr int kAStageBytes = kBM * kRowBytes;           // 10240
 constexpr int kBStageBytes = kBN * kRowBytes;           // 5120
-constexpr int kStageBytes = kAStageBytes + kBStageBytes;
-constexpr int kSmemBytes = kStages * kStageBytes;       // 46080 (< 48 KB, static)
-constexpr int kWarpM = 64, kWarpN = 32;
-constexpr int kMI = kWarpM / 16;  // m16 tiles per warp: 4
-constexpr int kNI = kWarpN / 8;   // n8 tiles per warp: 4
+constexpr int kWarpN = 32;
+constexpr int kNI = kWarpN / 8;  // n8 tiles per warp: 4
 
-static_assert(kThreads % kChunksPerRow == 0 && kBM % kRowsPerPass == 0 && kBN % kRowsPerPass == 0);
+static_assert(kThreads % kChunksPerRow == 0 && kBN % kRowsPerPass == 0);
 static_assert(kRowBytes % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
+
+// Shared memory of one configuration: kStages x (A tile + B tile).
+template <int kBM, int kStages>
+constexpr int smem_bytes() {
+  return kStages * (kBM * kRowBytes + kBStageBytes);
+}
 
 struct Params {
   const void* x;     // NHWC, 16-byte aligned
@@ -163,7 +166,7 @@ struct Mma<float> {  // TF32, m16n8k8
 
 // ---- the kernel ---------------------------------------------------------------
 
-template <typename T>
+template <typename T, int kBM, int kStages>
 __global__ void __launch_bounds__(kThreads) conv3x3_dense_mma_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // never launched: the host side declines devices below sm_80
@@ -172,7 +175,15 @@ __global__ void __launch_bounds__(kThreads) conv3x3_dense_mma_kernel(const Param
   constexpr int kBK = kBKBytes / static_cast<int>(sizeof(T));  // K_gemm elements per stage
   constexpr bool kTF32 = sizeof(T) == 4;
 
-  __shared__ __align__(128) unsigned char smem[kSmemBytes];
+  constexpr int kAIters = kBM / kRowsPerPass;   // A rows per thread per stage
+  constexpr int kAStageBytes = kBM * kRowBytes;
+  constexpr int kStageBytes = kAStageBytes + kBStageBytes;
+  constexpr int kSmemBytes = smem_bytes<kBM, kStages>();
+  constexpr int kWarpM = kBM / 2;
+  constexpr int kMI = kWarpM / 16;  // m16 tiles per warp
+  static_assert(kBM % kRowsPerPass == 0 && kWarpM % 16 == 0);
+
+  extern __shared__ __align__(128) unsigned char smem[];  // kSmemBytes, dynamic
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -409,12 +420,31 @@ __global__ void __launch_bounds__(kThreads) conv3x3_dense_mma_kernel(const Param
 #endif
 }
 
-template <typename T>
-void launch(const Params& p) {
+template <typename T, int kBM, int kStages>
+void launch_cfg(const Params& p) {
+  constexpr int smem = smem_bytes<kBM, kStages>();
+  auto* kernel = &conv3x3_dense_mma_kernel<T, kBM, kStages>;
+  if constexpr (smem > 48 * 1024) {
+    // Above the default 48 KB of dynamic shared memory; set per device, cheap.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
   const int64_t tiles_m = (static_cast<int64_t>(p.M) + kBM - 1) / kBM;
   const int64_t blocks = tiles_m * p.tiles_n;
-  conv3x3_dense_mma_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// 128-pixel tiles (3 stages, 45 KB: 4 CTAs per SM) when they give every SM
+// at least four CTAs' worth of work, else 64-pixel tiles (4 stages, 40 KB)
+// for twice the CTAs on small problems (fewer idle SMs, less tail).
+template <typename T>
+void launch(const Params& p) {
+  const int64_t blocks128 = ((static_cast<int64_t>(p.M) + 127) / 128) * p.tiles_n;
+  if (blocks128 >= 4 * static_cast<int64_t>(opforge::cuda::sm_count())) {
+    launch_cfg<T, 128, 3>(p);
+  } else {
+    launch_cfg<T, 64, 4>(p);
+  }
 }
 
 }  // namespace
@@ -449,7 +479,7 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   // 32-bit index limits (offsets into x, w and out are 64-bit).
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   const int64_t M = N * Ho * Wo;
-  if (M > kIntMax - kBM || K > kIntMax - kBN || 9 * C > kIntMax || N > kIntMax || H > kIntMax / 4 ||
+  if (M > kIntMax - 128 || K > kIntMax - kBN || 9 * C > kIntMax || N > kIntMax || H > kIntMax / 4 ||
       W > kIntMax / 4)
     return false;
 
@@ -490,7 +520,7 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   p.relu = relu;
   p.out_nhwc = out_nhwc;
   p.vec_store = out_nhwc && (K % chunk == 0);
-  const int64_t blocks = ((M + kBM - 1) / kBM) * p.tiles_n;
+  const int64_t blocks = ((M + 63) / 64) * p.tiles_n;
   if (blocks > kIntMax) return false;
 
   switch (dtype) {
