@@ -198,9 +198,10 @@ def test_odd_tails(dtype, shape, cl, stride, padding):
         check(*make_inputs(n, c, h, w, k, dtype, True, cl), stride, padding, relu=True)
 
 
-# Grids of at least four 128-pixel CTAs per SM take the 128 x 64 tile
-# configuration; everything smaller above takes 64 x 64. These make sure the
-# large configuration runs on every dtype and both output layouts.
+# The kernel picks its tile by grid size (on an H200's 132 SMs): 128x128
+# (half types, K > 64, >= 2 CTAs per SM), 128x64 (>= 4 CTAs per SM), else
+# 64x64, which every smaller case above takes. These run the two large
+# configurations on every dtype and both output layouts, with K and M tails.
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
@@ -211,6 +212,9 @@ def test_odd_tails(dtype, shape, cl, stride, padding):
         (16, 16, 63, 63, 100, 1, 1, True, False, True),
         (16, 16, 63, 63, 100, 1, 0, False, True, False),
         (48, 24, 65, 63, 72, 2, 1, True, True, True),
+        (8, 32, 56, 56, 200, 1, 1, True, True, True),
+        (8, 32, 56, 56, 200, 1, 1, True, False, False),
+        (8, 128, 32, 32, 256, 1, 1, True, True, True),
     ],
     ids=case_id,
 )

@@ -18,11 +18,12 @@
 // halo (padding) and every tile edge (M, K, K_gemm) are handled by predicated
 // cp.async with a source size of 0, which writes zeros.
 //
-// Compute: CTA tile 128 (pixels) x 64 (channels) x 64 bytes of K_gemm
-// (32 half values / 16 floats), 3-stage pipeline (45 KB shared, 4 CTAs per
-// SM), 4 warps in 2x2, each warp 64x32 with fp32 accumulators; problems too
-// small to give every SM four such CTAs use 64 x 64 tiles with 4 stages
-// instead (twice the CTAs). bfloat16/float16 use mma.m16n8k16 fed by ldmatrix; float32
+// Compute: warps of 64x32 (or 32x32) output tiles with fp32 accumulators,
+// K_gemm in stages of 64 bytes (32 half values / 16 floats). Three CTA tiles,
+// picked by grid size in `launch`: 128x128 with 8 warps (3 stages, 60 KB,
+// bfloat16/float16 with K > 64), 128x64 with 4 warps (3 stages, 45 KB, 4 CTAs
+// per SM), 64x64 with 4 warps (4 stages, 40 KB) for small problems.
+// bfloat16/float16 use mma.m16n8k16 fed by ldmatrix; float32
 // uses TF32 mma.m16n8k8 (inputs rounded to TF32 with cvt.rna), only when
 // torch allows TF32 for cuDNN convolutions, as F.conv2d does. Shared-memory
 // rows are padded from 64 to 80 bytes, which makes the cp.async stores,
@@ -54,26 +55,18 @@
 
 namespace {
 
-// Tile shape: kBM (output pixels, 128 or 64, a template parameter) x kBN
-// (output channels) x kBKBytes of K_gemm per pipeline stage.
-constexpr int kBN = 64;
+// Every configuration moves kBKBytes of K_gemm per pipeline stage; the CTA
+// tile (kBM pixels x kBN channels), the warp grid and the stage count are
+// template parameters of the kernel (see `launch` for the ones used).
 constexpr int kBKBytes = 64;
-constexpr int kRowBytes = kBKBytes + 16;  // padded shared-memory row (conflict free)
-constexpr int kThreads = 128;             // 4 warps, 2 (M) x 2 (N), each kBM/2 x 32
-constexpr int kChunksPerRow = kBKBytes / 16;            // 16-byte chunks per row: 4
-constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // 32
-constexpr int kBIters = kBN / kRowsPerPass;             // 2
-constexpr int kBStageBytes = kBN * kRowBytes;           // 5120
-constexpr int kWarpN = 32;
-constexpr int kNI = kWarpN / 8;  // n8 tiles per warp: 4
-
-static_assert(kThreads % kChunksPerRow == 0 && kBN % kRowsPerPass == 0);
+constexpr int kRowBytes = kBKBytes + 16;       // padded shared-memory row (conflict free)
+constexpr int kChunksPerRow = kBKBytes / 16;   // 16-byte chunks per row: 4
 static_assert(kRowBytes % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
 
 // Shared memory of one configuration: kStages x (A tile + B tile).
-template <int kBM, int kStages>
+template <int kBM, int kBN, int kStages>
 constexpr int smem_bytes() {
-  return kStages * (kBM * kRowBytes + kBStageBytes);
+  return kStages * (kBM + kBN) * kRowBytes;
 }
 
 struct Params {
@@ -166,8 +159,8 @@ struct Mma<float> {  // TF32, m16n8k8
 
 // ---- the kernel ---------------------------------------------------------------
 
-template <typename T, int kBM, int kStages>
-__global__ void __launch_bounds__(kThreads) conv3x3_dense_mma_kernel(const Params p) {
+template <typename T, int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages>
+__global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // never launched: the host side declines devices below sm_80
 #else
@@ -175,21 +168,27 @@ __global__ void __launch_bounds__(kThreads) conv3x3_dense_mma_kernel(const Param
   constexpr int kBK = kBKBytes / static_cast<int>(sizeof(T));  // K_gemm elements per stage
   constexpr bool kTF32 = sizeof(T) == 4;
 
-  constexpr int kAIters = kBM / kRowsPerPass;   // A rows per thread per stage
+  constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+  constexpr int kRowsPerPass = kThreads / kChunksPerRow;  // tile rows filled per pass
+  constexpr int kAIters = kBM / kRowsPerPass;             // A rows per thread per stage
+  constexpr int kBIters = kBN / kRowsPerPass;             // B rows per thread per stage
   constexpr int kAStageBytes = kBM * kRowBytes;
-  constexpr int kStageBytes = kAStageBytes + kBStageBytes;
-  constexpr int kSmemBytes = smem_bytes<kBM, kStages>();
-  constexpr int kWarpM = kBM / 2;
+  constexpr int kStageBytes = (kBM + kBN) * kRowBytes;
+  constexpr int kSmemBytes = smem_bytes<kBM, kBN, kStages>();
+  constexpr int kWarpM = kBM / kWarpsM;
+  constexpr int kWarpN = kBN / kWarpsN;
   constexpr int kMI = kWarpM / 16;  // m16 tiles per warp
-  static_assert(kBM % kRowsPerPass == 0 && kWarpM % 16 == 0);
+  constexpr int kNI = kWarpN / 8;   // n8 tiles per warp
+  static_assert(kThreads % kChunksPerRow == 0 && kBM % kRowsPerPass == 0 && kBN % kRowsPerPass == 0);
+  static_assert(kWarpM % 16 == 0 && kWarpN % 16 == 0, "B fragments are loaded in n16 pairs");
 
   extern __shared__ __align__(128) unsigned char smem[];  // kSmemBytes, dynamic
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int warp_m = warp & 1;
-  const int warp_n = warp >> 1;
+  const int warp_m = warp % kWarpsM;
+  const int warp_n = warp / kWarpsM;
 
   const int tile_n = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.tiles_n));
   const int tile_m = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.tiles_n));
@@ -420,30 +419,46 @@ __global__ void __launch_bounds__(kThreads) conv3x3_dense_mma_kernel(const Param
 #endif
 }
 
-template <typename T, int kBM, int kStages>
-void launch_cfg(const Params& p) {
-  constexpr int smem = smem_bytes<kBM, kStages>();
-  auto* kernel = &conv3x3_dense_mma_kernel<T, kBM, kStages>;
+template <typename T, int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages>
+void launch_cfg(Params p) {
+  constexpr int smem = smem_bytes<kBM, kBN, kStages>();
+  constexpr int threads = 32 * kWarpsM * kWarpsN;
+  auto* kernel = &conv3x3_dense_mma_kernel<T, kBM, kBN, kWarpsM, kWarpsN, kStages>;
   if constexpr (smem > 48 * 1024) {
-    // Above the default 48 KB of dynamic shared memory; set per device, cheap.
+    // Above the default 48 KB of dynamic shared memory. A host-side attribute
+    // (no stream work, allowed during graph capture), set on every launch so
+    // that every device gets it; it costs well under a microsecond.
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
+  p.tiles_n = (p.K + kBN - 1) / kBN;
   const int64_t tiles_m = (static_cast<int64_t>(p.M) + kBM - 1) / kBM;
   const int64_t blocks = tiles_m * p.tiles_n;
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// 128-pixel tiles (3 stages, 45 KB: 4 CTAs per SM) when they give every SM
-// at least four CTAs' worth of work, else 64-pixel tiles (4 stages, 40 KB)
-// for twice the CTAs on small problems (fewer idle SMs, less tail).
+// Tile choice (all warps 64x32 or 32x32, fp32 accumulators):
+// - 128x128, 8 warps, 3 stages (60 KB, 2 CTAs per SM) when K > 64 and the
+//   grid still gives every SM two CTAs: the most reuse per byte loaded
+//   (bfloat16/float16 only);
+// - 128x64, 4 warps, 3 stages (45 KB, 4 CTAs per SM) when that grid gives
+//   every SM four CTAs;
+// - else 64x64, 4 warps, 4 stages (40 KB): twice the CTAs for small problems
+//   (fewer idle SMs, less tail).
 template <typename T>
 void launch(const Params& p) {
-  const int64_t blocks128 = ((static_cast<int64_t>(p.M) + 127) / 128) * p.tiles_n;
-  if (blocks128 >= 4 * static_cast<int64_t>(opforge::cuda::sm_count())) {
-    launch_cfg<T, 128, 3>(p);
+  const int64_t sms = opforge::cuda::sm_count();
+  const auto blocks = [&](int64_t bm, int64_t bn) { return ((p.M + bm - 1) / bm) * ((p.K + bn - 1) / bn); };
+  if constexpr (sizeof(T) == 2) {  // a staged float32 128x128 tile would not fit
+    if (p.K > 64 && blocks(128, 128) >= 2 * sms) {
+      launch_cfg<T, 128, 128, 2, 4, 3>(p);
+      return;
+    }
+  }
+  if (blocks(128, 64) >= 4 * sms) {
+    launch_cfg<T, 128, 64, 2, 2, 3>(p);
   } else {
-    launch_cfg<T, 64, 4>(p);
+    launch_cfg<T, 64, 64, 2, 2, 4>(p);
   }
 }
 
@@ -479,7 +494,7 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   // 32-bit index limits (offsets into x, w and out are 64-bit).
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   const int64_t M = N * Ho * Wo;
-  if (M > kIntMax - 128 || K > kIntMax - kBN || 9 * C > kIntMax || N > kIntMax || H > kIntMax / 4 ||
+  if (M > kIntMax - 128 || K > kIntMax - 128 || 9 * C > kIntMax || N > kIntMax || H > kIntMax / 4 ||
       W > kIntMax / 4)
     return false;
 
@@ -516,12 +531,11 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   p.pad = static_cast<int>(padding);
   p.M = static_cast<int>(M);
   p.Kg = static_cast<int>(9 * C);
-  p.tiles_n = static_cast<int>((K + kBN - 1) / kBN);
+  p.tiles_n = 0;  // set per tile configuration
   p.relu = relu;
   p.out_nhwc = out_nhwc;
   p.vec_store = out_nhwc && (K % chunk == 0);
-  const int64_t blocks = ((M + 63) / 64) * p.tiles_n;
-  if (blocks > kIntMax) return false;
+  if (((M + 63) / 64) * ((K + 63) / 64) > kIntMax) return false;  // grid.x of the smallest tiles
 
   switch (dtype) {
     case at::kBFloat16:
