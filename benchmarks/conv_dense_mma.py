@@ -2,7 +2,7 @@
 (``torch.ops.opforge._conv3x3_dense_mma``) against cuDNN (F.conv2d + relu,
 eager) and torch.compile of the same, in one run, with CUDA events.
 
-    PYTHONPATH=src python benchmarks/conv_dense_mma.py [--dtype bfloat16|float16|float32] [--quick]
+    PYTHONPATH=src python benchmarks/conv_dense_mma.py [--dtype bfloat16|float16|float32] [--quick] [--tiles]
 
 For each shape and input layout (channels_last, NCHW) it prints the median
 time (p20-p80), TFLOP/s = 2*N*K*C*9*Ho*Wo / time, the fraction of the
@@ -12,12 +12,15 @@ our kernel one extra NHWC conversion pass, included in its time. Inputs are
 rotated over enough copies to exceed the L2 cache, and every provider's
 output is checked against the others before timing. float32 runs with TF32
 allowed for cuDNN convolutions (our kernel declines float32 otherwise).
+--tiles also times each of the kernel's tile configurations forced through
+OPFORGE_CONV_MMA_TILE (rows opforge[128x128] ...), to check its automatic pick.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +51,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--quick", action="store_true", help="shorter timing runs")
+    ap.add_argument("--tiles", action="store_true", help="also time each forced tile configuration")
     args = ap.parse_args()
+    os.environ.pop("OPFORGE_CONV_MMA_TILE", None)  # the automatic pick, unless --tiles
     dtype = getattr(torch, args.dtype)
     rep_ms = 40.0 if args.quick else 200.0
 
@@ -61,7 +66,7 @@ def main():
     peak = matrix_rate_tflops(dtype)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.dtype}; "
           f"matrix rate (torch.mm 8192^3): {peak:.0f} TFLOP/s")
-    header = (f"{'shape':<22} {'layout':<6} {'provider':<9} {'median ms':>10} {'p20-p80 ms':>15} "
+    header = (f"{'shape':<22} {'layout':<6} {'provider':<16} {'median ms':>10} {'p20-p80 ms':>15} "
               f"{'TFLOP/s':>8} {'% rate':>7} {'vs cuDNN':>9} {'vs compile':>10}")
     print(header)
     print("-" * len(header))
@@ -87,28 +92,40 @@ def main():
             assert d1 < 3e-2 and not torch.isnan(ours).any(), f"ours differs from cuDNN by {d1:.3g} (relative to max)"
 
             providers = {
-                "opforge": lambda x: op(x, wt, b, 1, 1, True),
-                "cuDNN": lambda x: conv_relu(x, wt, b),
-                "compile": lambda x: compiled(x, wt, b),
+                "opforge": (lambda x: op(x, wt, b, 1, 1, True), None),
+                "cuDNN": (lambda x: conv_relu(x, wt, b), None),
+                "compile": (lambda x: compiled(x, wt, b), None),
             }
+            if args.tiles:
+                for tile in ("128x128", "128x64", "64x64"):
+                    if tile == "128x128" and dtype == torch.float32:
+                        continue
+                    providers[f"opforge[{tile}]"] = (lambda x: op(x, wt, b, 1, 1, True), tile)
             times = {}
-            for name, fn in providers.items():
+            for name, (fn, tile) in providers.items():
                 i = [0]
 
                 def step(fn=fn):
                     fn(xs[i[0] % sets])
                     i[0] += 1
 
-                times[name] = time_cuda(step, rep_ms=rep_ms)
+                if tile is not None:
+                    os.environ["OPFORGE_CONV_MMA_TILE"] = tile
+                    forced = op(xs[0], wt, b, 1, 1, True)
+                    assert (forced.float() - ours.float()).abs().max().item() / scale < 3e-2, tile
+                try:
+                    times[name] = time_cuda(step, rep_ms=rep_ms)
+                finally:
+                    os.environ.pop("OPFORGE_CONV_MMA_TILE", None)
             shape = f"N{n} C{c} {h}x{w} K{k}"
             for name, t in times.items():
                 tf = flops / (t.median_ms * 1e-3) / 1e12
                 vs_cudnn = times["cuDNN"].median_ms / t.median_ms
                 vs_comp = times["compile"].median_ms / t.median_ms
-                print(f"{shape:<22} {layout:<6} {name:<9} {t.median_ms:>10.4f} "
+                print(f"{shape:<22} {layout:<6} {name:<16} {t.median_ms:>10.4f} "
                       f"{t.p20_ms:>7.4f}-{t.p80_ms:<7.4f} {tf:>8.1f} {100 * tf / peak:>6.1f}% "
                       f"{vs_cudnn:>8.2f}x {vs_comp:>9.2f}x")
-            print(f"{'':<22} {layout:<6} max |diff| / max|ref|: opforge {d1:.2e}, compile {d2:.2e}")
+            print(f"{'':<22} {layout:<6} max |diff| / max|ref| vs cuDNN: opforge {d1:.2e}, compile {d2:.2e}")
 
 
 if __name__ == "__main__":

@@ -224,6 +224,27 @@ def test_large_grids(dtype, case):
         check(*make_inputs(n, c, h, w, k, dtype, bias, cl), stride, padding, relu)
 
 
+# Each tile configuration forced on small problems with every tail.
+@pytest.mark.cuda
+@pytest.mark.parametrize("tile", ["128x128", "128x64", "64x64"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "case",
+    [
+        (2, 16, 5, 17, 8, 1, 1, True, True, True),
+        (3, 24, 13, 11, 130, 2, 1, True, False, False),
+        (2, 40, 17, 9, 200, 1, 0, False, True, True),
+        (1, 64, 30, 30, 64, 1, 1, True, True, False),
+    ],
+    ids=case_id,
+)
+def test_forced_tiles(tile, dtype, case, monkeypatch):
+    monkeypatch.setenv("OPFORGE_CONV_MMA_TILE", tile)  # 128x128 falls back to the rule for float32
+    n, c, h, w, k, stride, padding, bias, relu, cl = case
+    with cudnn_tf32(True):
+        check(*make_inputs(n, c, h, w, k, dtype, bias, cl), stride, padding, relu)
+
+
 @pytest.mark.cuda
 def test_float32_small_channels():
     # float32 chunks are 4 values: C = 4 and 12 are accepted.

@@ -41,6 +41,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
+#include <c10/util/env.h>
 #include <torch/library.h>
 
 #include <cuda_bf16.h>
@@ -49,9 +50,7 @@
 #include <opforge/checks.h>
 #include <opforge/cuda_launch.cuh>
 
-#include <cstdint>
-#include <limits>
-#include <optional>
+// std::numeric_limits, std::optional, int64_t come with the ATen/c10 headers.
 
 namespace {
 
@@ -445,8 +444,27 @@ void launch_cfg(Params p) {
 //   every SM four CTAs;
 // - else 64x64, 4 warps, 4 stages (40 KB): twice the CTAs for small problems
 //   (fewer idle SMs, less tail).
+//
+// OPFORGE_CONV_MMA_TILE=128x128|128x64|64x64 forces one tile (benchmarking
+// the choice; 128x128 is ignored for float32); unset or anything else: the
+// rule above.
+int forced_tile() {
+  const auto v = c10::utils::get_env("OPFORGE_CONV_MMA_TILE");
+  if (!v.has_value()) return 0;
+  if (*v == "128x128") return 1;
+  if (*v == "128x64") return 2;
+  if (*v == "64x64") return 3;
+  return 0;
+}
+
 template <typename T>
 void launch(const Params& p) {
+  const int forced = forced_tile();
+  if constexpr (sizeof(T) == 2) {
+    if (forced == 1) return launch_cfg<T, 128, 128, 2, 4, 3>(p);
+  }
+  if (forced == 2) return launch_cfg<T, 128, 64, 2, 2, 3>(p);
+  if (forced == 3) return launch_cfg<T, 64, 64, 2, 2, 4>(p);
   const int64_t sms = opforge::cuda::sm_count();
   const auto blocks = [&](int64_t bm, int64_t bn) { return ((p.M + bm - 1) / bm) * ((p.K + bn - 1) / bn); };
   if constexpr (sizeof(T) == 2) {  // a staged float32 128x128 tile would not fit
