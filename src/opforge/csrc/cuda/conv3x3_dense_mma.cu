@@ -226,15 +226,26 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
 
   const int num_k_tiles = (p.Kg + kBK - 1) / kBK;
 
-  auto load_stage = [&](int kt, int slot) {
+  // Position of this thread's next chunk in K_gemm: index kk, filter tap
+  // (r, s) and channel c. Stages are loaded strictly in order 0, 1, 2, ...,
+  // so this advances by kBK per stage without a division.
+  int ld_kk = kc * kChunk;
+  int ld_c, ld_r, ld_s;
+  {
+    const int tap = ld_kk / p.C;
+    ld_c = ld_kk - tap * p.C;
+    ld_r = tap / 3;
+    ld_s = tap - ld_r * 3;
+  }
+
+  auto load_stage = [&](int slot) {
     const uint32_t sA = smem_u32(smem + slot * kStageBytes);
     const uint32_t sB = sA + kAStageBytes;
-    const int kk = kt * kBK + kc * kChunk;  // first K_gemm index of this thread's chunk
+    const int kk = ld_kk;
     const bool k_ok = kk < p.Kg;
-    const int tap = k_ok ? kk / p.C : 0;
-    const int c = kk - tap * p.C;
-    const int r = tap / 3;
-    const int s = tap - r * 3;
+    const int c = ld_c;
+    const int r = ld_r;
+    const int s = ld_s;
 #pragma unroll
     for (int i = 0; i < kAIters; ++i) {
       const int hi = a_hi0[i] + r;
@@ -251,6 +262,15 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
       const T* src = ok ? w + static_cast<int64_t>(n) * p.Kg + kk : w;
       cp_async16(sB + (row_base + i * kRowsPerPass) * kRowBytes + kc * 16, src, ok);
     }
+    ld_kk += kBK;
+    ld_c += kBK;
+    while (ld_c >= p.C) {  // once per stage for C >= kBK, kBK / C times below
+      ld_c -= p.C;
+      if (++ld_s == 3) {
+        ld_s = 0;
+        ++ld_r;
+      }
+    }
   };
 
   float acc[kMI][kNI][4];
@@ -265,7 +285,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
   // groups past the end keep the group count uniform).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_k_tiles) load_stage(s, s);
+    if (s < num_k_tiles) load_stage(s);
     cp_async_commit();
   }
 
@@ -277,7 +297,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
     __syncthreads();               // ... and for all; slot (kt-1) % kStages is free
     {
       const int next = kt + kStages - 1;
-      if (next < num_k_tiles) load_stage(next, next % kStages);
+      if (next < num_k_tiles) load_stage(next % kStages);
       cp_async_commit();
     }
     const unsigned char* stage = smem + (kt % kStages) * kStageBytes;
