@@ -9,9 +9,10 @@
 //   B[k][kk] = w[k][r][s][c]
 //   out[m][k] = act(sum_kk A[m][kk] * B[k][kk] + bias[k])
 //
-// Data movement: a contiguous (NCHW) input is converted to channels_last
-// once (one extra read + write of x, a few microseconds for the benchmark
-// shapes); the weights are reordered to (K,3,3,C) on every call (tiny). Both
+// Data movement: a contiguous (NCHW) input is converted to NHWC once by a
+// tiled shared-memory transpose (one extra read + write of x, a few
+// microseconds for the benchmark shapes; other strided inputs use ATen's
+// copy); the weights are reordered to (K,3,3,C) on every call (tiny). Both
 // operands are then streamed into shared memory with 16-byte cp.async
 // (sm_80+), STAGES-deep, one 16-byte chunk = 8 half values or 4 floats, which
 // never straddles a filter tap because C is a multiple of the chunk. The zero
@@ -438,6 +439,63 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
 #endif
 }
 
+// ---- NCHW -> NHWC for a contiguous input --------------------------------------
+// out[n][p][c] = in[n][c][p] (p = h*W + w) through a 64x64 shared-memory tile:
+// reads run along p, writes along c, both coalesced; rows padded by 4 bytes so
+// the column reads are bank-conflict free. U is a same-size bit type.
+constexpr int kTrTile = 64;
+constexpr int kTrThreads = 256;
+
+template <typename U>
+__global__ void __launch_bounds__(kTrThreads) nchw_to_nhwc_kernel(const U* __restrict__ in, U* __restrict__ out,
+                                                                  int C, int HW) {
+  constexpr int kPad = 4 / static_cast<int>(sizeof(U));
+  __shared__ U tile[kTrTile][kTrTile + kPad];
+  const int p0 = blockIdx.x * kTrTile;
+  const int c0 = blockIdx.y * kTrTile;
+  const int64_t image = static_cast<int64_t>(blockIdx.z) * C * HW;
+  const U* src = in + image;
+  U* dst = out + image;
+  for (int i = threadIdx.x; i < kTrTile * kTrTile; i += kTrThreads) {
+    const int cl = i / kTrTile, pl = i % kTrTile;
+    const int c = c0 + cl, p = p0 + pl;
+    if (c < C && p < HW) tile[cl][pl] = src[static_cast<int64_t>(c) * HW + p];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTrTile * kTrTile; i += kTrThreads) {
+    const int pl = i / kTrTile, cl = i % kTrTile;
+    const int c = c0 + cl, p = p0 + pl;
+    if (c < C && p < HW) dst[static_cast<int64_t>(p) * C + c] = tile[cl][pl];
+  }
+}
+
+// x as a contiguous NHWC tensor: a view for a channels_last x, the tiled
+// transpose for a contiguous (NCHW) x, ATen's copy for anything else.
+at::Tensor to_nhwc(const at::Tensor& x) {
+  const at::Tensor xp = x.permute({0, 2, 3, 1});
+  if (xp.is_contiguous()) return xp;
+  const int64_t N = x.size(0), C = x.size(1), HW = x.size(2) * x.size(3);
+  if (!x.is_contiguous() || N > 65535 || (C + kTrTile - 1) / kTrTile > 65535 ||
+      (HW + kTrTile - 1) / kTrTile > std::numeric_limits<int>::max() || C * HW > std::numeric_limits<int>::max()) {
+    return xp.contiguous();
+  }
+  at::Tensor out = at::empty(xp.sizes(), x.options());
+  const dim3 grid(static_cast<unsigned>((HW + kTrTile - 1) / kTrTile), static_cast<unsigned>((C + kTrTile - 1) / kTrTile),
+                  static_cast<unsigned>(N));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (x.element_size() == 2) {
+    nchw_to_nhwc_kernel<uint16_t><<<grid, kTrThreads, 0, stream>>>(
+        static_cast<const uint16_t*>(x.data_ptr()), static_cast<uint16_t*>(out.data_ptr()), static_cast<int>(C),
+        static_cast<int>(HW));
+  } else {
+    nchw_to_nhwc_kernel<uint32_t><<<grid, kTrThreads, 0, stream>>>(
+        static_cast<const uint32_t*>(x.data_ptr()), static_cast<uint32_t*>(out.data_ptr()), static_cast<int>(C),
+        static_cast<int>(HW));
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 template <typename T, int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages>
 void launch_cfg(Params p) {
   constexpr int smem = smem_bytes<kBM, kBN, kStages>();
@@ -545,9 +603,9 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
     return false;
   }
 
-  // NHWC activations (free for a channels_last x, one copy for NCHW) and
-  // (K, 3, 3, C) weights.
-  const at::Tensor xl = x.permute({0, 2, 3, 1}).contiguous();
+  // NHWC activations (free for a channels_last x, one transpose pass for
+  // NCHW) and (K, 3, 3, C) weights (tiny).
+  const at::Tensor xl = to_nhwc(x);
   const at::Tensor wl = w.permute({0, 2, 3, 1}).contiguous();
   const at::Tensor bl = bias.defined() ? bias.contiguous() : bias;
   if (!opforge::cuda::is_aligned(xl.data_ptr(), 16) || !opforge::cuda::is_aligned(wl.data_ptr(), 16)) return false;
