@@ -364,8 +364,12 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
   cp_async_wait<0>();
   __syncthreads();  // every warp is done reading the pipeline buffers
 
-  constexpr int kCStride = kBN + kChunk;  // staged row, in elements (16 bytes of padding)
-  static_assert(kBM * kCStride * sizeof(T) <= kSmemBytes, "staged tile must fit");
+  // Staged row stride in elements: 16 bytes of padding for channels_last (rows
+  // stay 16-byte aligned for the vector reads), 4 bytes for NCHW (an odd
+  // number of words: the column-wise reads below are bank-conflict free).
+  constexpr int kCStrideMax = kBN + kChunk;
+  static_assert(kBM * kCStrideMax * sizeof(T) <= kSmemBytes, "staged tile must fit");
+  const int c_stride = p.out_nhwc ? kCStrideMax : kBN + 4 / static_cast<int>(sizeof(T));
   T* sC = reinterpret_cast<T*>(smem);
   const T* bias = static_cast<const T*>(p.bias);
 
@@ -388,10 +392,10 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
         v2 = v2 < 0.f ? 0.f : v2;
         v3 = v3 < 0.f ? 0.f : v3;
       }
-      sC[row * kCStride + col] = Mma<T>::from_float(v0);
-      sC[row * kCStride + col + 1] = Mma<T>::from_float(v1);
-      sC[(row + 8) * kCStride + col] = Mma<T>::from_float(v2);
-      sC[(row + 8) * kCStride + col + 1] = Mma<T>::from_float(v3);
+      sC[row * c_stride + col] = Mma<T>::from_float(v0);
+      sC[row * c_stride + col + 1] = Mma<T>::from_float(v1);
+      sC[(row + 8) * c_stride + col] = Mma<T>::from_float(v2);
+      sC[(row + 8) * c_stride + col + 1] = Mma<T>::from_float(v3);
     }
   }
   __syncthreads();
@@ -409,7 +413,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
         const int m = m0 + row;
         const int n = n0 + cc * kChunk;
         if (m < p.M && n < p.K) {
-          const uint4 v = *reinterpret_cast<const uint4*>(sC + row * kCStride + cc * kChunk);
+          const uint4 v = *reinterpret_cast<const uint4*>(sC + row * c_stride + cc * kChunk);
           *reinterpret_cast<uint4*>(out + static_cast<int64_t>(m) * p.K + n) = v;
         }
       }
@@ -419,7 +423,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
         const int col = idx - row * kBN;
         const int m = m0 + row;
         const int n = n0 + col;
-        if (m < p.M && n < p.K) out[static_cast<int64_t>(m) * p.K + n] = sC[row * kCStride + col];
+        if (m < p.M && n < p.K) out[static_cast<int64_t>(m) * p.K + n] = sC[row * c_stride + col];
       }
     }
   } else {
@@ -432,7 +436,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
       if (m < p.M && n < p.K) {
         const int img = m / hw_out;
         const int pix = m - img * hw_out;
-        out[(static_cast<int64_t>(img) * p.K + n) * hw_out + pix] = sC[row * kCStride + col];
+        out[(static_cast<int64_t>(img) * p.K + n) * hw_out + pix] = sC[row * c_stride + col];
       }
     }
   }
