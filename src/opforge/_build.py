@@ -38,6 +38,7 @@ SOURCES = extension.SourceSet(
     cuda_sources=[
         "csrc/cuda/add.cu",
         "csrc/cuda/nms.cu",
+        "csrc/cuda/conv3x3_dense_mma.cu",
     ],
     include_dirs=["csrc"],
 )

@@ -25,4 +25,11 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // depend on the data; idxs given: per class, as batched_nms.
   m.def("nms_padded(Tensor boxes, Tensor scores, float iou_threshold, int max_output, *, Tensor? idxs=None, "
         "float? score_threshold=None) -> (Tensor, Tensor)");
+// ---- dense 3x3 conv, tensor-core path (cuda/conv3x3_dense_mma.cu) ----------
+TORCH_LIBRARY_FRAGMENT(opforge, m) {
+  // Testing / benchmark entry, not public API: relu?(conv3x3(x, w) + bias)
+  // computed by the CUDA implicit-GEMM tensor-core kernel alone (groups 1).
+  // Raises when that kernel declines the case instead of falling back, so a
+  // test or timing is known to exercise it. CUDA only.
+  m.def("_conv3x3_dense_mma(Tensor x, Tensor w, Tensor? bias, int stride, int padding, bool relu) -> Tensor");
 }
