@@ -25,6 +25,8 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // depend on the data; idxs given: per class, as batched_nms.
   m.def("nms_padded(Tensor boxes, Tensor scores, float iou_threshold, int max_output, *, Tensor? idxs=None, "
         "float? score_threshold=None) -> (Tensor, Tensor)");
+}
+
 // ---- dense 3x3 conv, tensor-core path (cuda/conv3x3_dense_mma.cu) ----------
 TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // Testing / benchmark entry, not public API: relu?(conv3x3(x, w) + bias)
