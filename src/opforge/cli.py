@@ -1,4 +1,4 @@
-"""The ``opforge`` command: ``info``, ``demo``, ``cache``.
+"""The ``opforge`` command: ``info``, ``bench``, ``demo``, ``cache``.
 
 Run it as ``opforge ...`` (installed) or ``python -m opforge_cli ...``.
 """
@@ -27,13 +27,6 @@ def _cmd_cache(args) -> int:
     return 0
 
 
-def _cmd_demo(args) -> int:
-    from . import demo
-
-    demo.run(device=args.device)
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opforge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,9 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["clear", "path"], help="clear: remove it; path: print where it is")
     p.set_defaults(func=_cmd_cache)
 
-    p = sub.add_parser("demo", help="add_relu vs eager slow_add vs torch.compile on this machine")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.set_defaults(func=_cmd_demo)
+    from .bench.cli_args import add_parsers as add_bench_parsers
+
+    add_bench_parsers(sub)  # `bench` and `demo` (= `bench --quick`)
     return parser
 
 
