@@ -87,18 +87,21 @@ def environment(device: str) -> dict:
         env["gpu_sm"] = f"sm_{p.major}{p.minor}"
         env["gpu_sms"] = p.multi_processor_count
         env["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
-        env["driver_cuda"] = _driver_version()
+        env["gpu_driver"] = _driver_version()
+        env["gpu_l2_bytes"] = getattr(p, "L2_cache_size", None)
     return env
 
 
 def _driver_version() -> str | None:
+    """The NVIDIA driver's version from nvidia-smi, if it is on the PATH."""
     try:
-        v = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
-    except Exception:  # noqa: BLE001
-        v = None
-    if isinstance(v, int):
-        return f"{v // 1000}.{(v % 1000) // 10}"
-    return None
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
 
 
 # ---------------------------------------------------------------------------
