@@ -26,13 +26,13 @@ class _WrongGrad(torch.autograd.Function):
         return g * 3
 
 
-def _make(op, ours, eager, **kw):
+def _make(device, op, ours, eager, **kw):
     n = 4096
     return registry.BenchCase(
         op=op,
         label=f"N={n}",
         dtype=torch.float32,
-        make_inputs=lambda: [torch.randn(n)],
+        make_inputs=lambda: [torch.randn(n, device=device)],
         ours=ours,
         eager=eager,
         eager_name="tiny_eager",
@@ -53,10 +53,10 @@ def families():
         return x * 2  # forgets the + 1
 
     added = {
-        "_test_tiny": lambda device: [_make("tiny", lambda x: torch.add(x * 2, 1), _tiny, grad_inputs=(0,))],
-        "_test_wrong": lambda device: [_make("tiny_wrong", wrong, _tiny, compile=False)],
-        "_test_wrong_grad": lambda device: [_make("tiny_wrong_grad", _WrongGrad.apply, _tiny, grad_inputs=(0,), compile=False)],
-        "_test_nocompile": lambda device: [_make("tiny_nocompile", _tiny, _tiny)],
+        "_test_tiny": lambda device: [_make(device, "tiny", lambda x: torch.add(x * 2, 1), _tiny, grad_inputs=(0,))],
+        "_test_wrong": lambda device: [_make(device, "tiny_wrong", wrong, _tiny, compile=False)],
+        "_test_wrong_grad": lambda device: [_make(device, "tiny_wrong_grad", _WrongGrad.apply, _tiny, grad_inputs=(0,), compile=False)],
+        "_test_nocompile": lambda device: [_make(device, "tiny_nocompile", _tiny, _tiny)],
     }
     registry._REGISTRY.update(added)
     yield calls
@@ -66,7 +66,7 @@ def families():
 
 def test_tiny_run_table_json_markdown_plot(families, tmp_path, capsys):
     paths = {k: tmp_path / f"r.{k}" for k in ("json", "md", "png")}
-    rc = cli.main(["bench", "_test_tiny", "--device", "cpu", "--quick", "--mode", "fwd", "bwd", "full",
+    rc = cli.main(["bench", "_test_tiny", "--device", "cpu", "--quick", "--mode", "fwd,bwd", "--mode", "full",
                    "--json", str(paths["json"]), "--markdown", str(paths["md"]), "--plot", str(paths["png"])])
     out = capsys.readouterr()
     assert rc == 0, out.out
@@ -183,3 +183,28 @@ def test_info(capsys):
     assert torch.backends.cpu.get_cpu_capability() in text
     assert cli.main(["info"]) == 0
     assert "CPU kernels" in capsys.readouterr().out
+
+
+def test_report_memory_columns():
+    """Peak-memory columns appear when memory was measured (the GPU)."""
+    p = lambda name, ms, mem: harness.ProviderResult(name, "ok", ms, ms, ms, mem, 1.0, 50.0)  # noqa: E731
+    res = harness.CaseResult("f", "op", "N=1", "float32", "fwd", 8, 0.0, 1,
+                             {"opforge": p("opforge", 1.0, 2 << 20), "eager": p("e", 2.0, 6 << 20), "compiled": p("c", 1.5, 4 << 20)})
+    run = harness.Run(harness.Settings(device="cuda"), {"gpu": "X", "opforge": "0", "torch": "0", "cuda": None,
+                                                        "date_utc": "-", "git_commit": None}, 100.0, 1 << 20, [res])
+    header, rows = report.rows(run)
+    assert header[-1] == "peak MiB opforge/eager/compiled" and rows[0][-1] == "2/6/4"
+    assert rows[0][8] == "2.00x" and rows[0][9] == "1.50x" and rows[0][12] == "50%"
+
+
+@pytest.mark.cuda
+def test_tiny_run_cuda(families):
+    run = harness.run(harness.Settings(device="cuda", quick=True, ops=("_test_tiny", "_test_wrong")), progress=False)
+    by_op = {(r.op, r.mode): r for r in run.results}
+    tiny = by_op[("tiny", "fwd")]
+    for key in ("opforge", "eager", "compiled"):
+        assert tiny.providers[key].status == "ok"
+        assert tiny.providers[key].median_ms > 0 and tiny.providers[key].peak_mem_bytes is not None
+    assert by_op[("tiny_wrong", "fwd")].providers["opforge"].status == "WRONG"
+    assert run.environment["gpu"] and run.copy_bandwidth_gbps > 100
+    assert run.cache_bytes >= 1 << 20

@@ -12,13 +12,26 @@ DTYPE_NAMES = {
 }
 
 
-def _dtype(text: str):
+def _dtypes(text: str):
+    """``float32,bf16`` -> [torch.float32, torch.bfloat16]."""
     import torch
 
-    name = DTYPE_NAMES.get(text.lower())
-    if name is None:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; expected one of {', '.join(sorted(set(DTYPE_NAMES)))}")
-    return getattr(torch, name)
+    out = []
+    for part in filter(None, text.split(",")):
+        name = DTYPE_NAMES.get(part.strip().lower())
+        if name is None:
+            raise argparse.ArgumentTypeError(f"unknown dtype {part!r}; expected one of {', '.join(sorted(set(DTYPE_NAMES)))}")
+        out.append(getattr(torch, name))
+    return out
+
+
+def _modes(text: str):
+    """``fwd,full`` -> ["fwd", "full"]."""
+    out = [m.strip() for m in text.split(",") if m.strip()]
+    for m in out:
+        if m not in ("fwd", "bwd", "full", "all"):
+            raise argparse.ArgumentTypeError(f"unknown mode {m!r}; expected fwd, bwd, full or all")
+    return out
 
 
 def add_parsers(sub) -> None:
@@ -31,9 +44,11 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("ops", nargs="*", metavar="OPS", help="op families or op names (default: all registered)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", type=_dtype, nargs="+", default=None, help="only these dtypes (e.g. float32 bf16)")
-    p.add_argument("--mode", choices=["fwd", "bwd", "full", "all"], nargs="+", default=None,
-                   help="fwd, bwd (backward alone), full (forward + backward); default: all (--quick: fwd)")
+    p.add_argument("--dtype", type=_dtypes, action="extend", default=None,
+                   help="only these dtypes, comma-separated or repeated (e.g. float32,bf16)")
+    p.add_argument("--mode", type=_modes, action="extend", default=None,
+                   help="fwd, bwd (backward alone), full (forward + backward) or all, comma-separated or "
+                   "repeated; default: all (with --quick: fwd)")
     p.add_argument("--quick", action="store_true", help="the cases marked quick, shorter timing (< 2 min on 2 CPU cores)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     p.add_argument("--json", metavar="PATH", help="write the results and environment as JSON")

@@ -130,20 +130,33 @@ def _roof(r: CaseResult) -> tuple[str, str]:
     return "-", "-"
 
 
+def _mib(res) -> str:
+    if res is None or res.peak_mem_bytes is None:
+        return "-"
+    return f"{res.peak_mem_bytes / 2**20:.0f}"
+
+
 def rows(run: Run) -> tuple[list[str], list[list[str]]]:
+    """The table's header and rows; peak-memory columns only when memory was measured (GPU)."""
+    with_mem = any(p.peak_mem_bytes is not None for r in run.results for p in r.providers.values())
     header = ["op", "shape", "dtype", "mode", "opforge ms", "eager ms", "compiled ms", "peer ms",
               "vs eager", "vs compiled", "vs peer", "opforge rate", "% floor"]
+    if with_mem:
+        header += ["peak MiB opforge/eager/compiled"]
     out = []
     for r in run.results:
         rate, pct = _roof(r)
         peer = r.providers.get("peer")
-        out.append([
+        row = [
             r.op, r.shape, r.dtype, r.mode,
             _ms(r.providers["opforge"]), _ms(r.providers["eager"]), _ms(r.providers.get("compiled")),
             (f"{_ms(peer)} ({peer.name})" if peer is not None else "-"),
             _x(r.speedup("eager")), _x(r.speedup("compiled")), _x(r.speedup("peer")),
             rate, pct,
-        ])
+        ]
+        if with_mem:
+            row.append("/".join(_mib(r.providers.get(k)) for k in ("opforge", "eager", "compiled")))
+        out.append(row)
     return header, out
 
 
