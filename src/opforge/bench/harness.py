@@ -345,7 +345,6 @@ def _metrics(res: ProviderResult, nbytes: int, flops: float, bandwidth: float) -
 
 
 def run_case(family: str, case: BenchCase, mode: str, settings: Settings, bandwidth: float, cache_bytes: int) -> CaseResult:
-    device = settings.device
     providers: dict[str, tuple[str, Callable | None, str | None]] = {
         "opforge": ("opforge", case.ours, None),
         "eager": (case.eager_name, case.eager, None),
@@ -364,30 +363,8 @@ def run_case(family: str, case: BenchCase, mode: str, settings: Settings, bandwi
     for key, (name, fn, _) in providers.items():
         res = ProviderResult(name=name, status="ok")
         results[key] = res
-        try:
-            _check_provider(fn, case, mode, case.eager)
-        except AssertionError as exc:
-            res.status, res.detail = "WRONG", _short_error(exc)
-            continue
-        except Exception as exc:  # noqa: BLE001  (a compile or runtime error is reported, not fatal)
-            res.status, res.detail = "error", _short_error(exc)
-            if os.environ.get("OPFORGE_BENCH_TRACEBACK"):
-                traceback.print_exc()
-            continue
-        try:
-            if sets is None:
-                sets = _input_sets(case, mode, cache_bytes)
-            grad_ctx = torch.no_grad() if mode == "fwd" else torch.enable_grad()
-            with grad_ctx:
-                call = _timed_callable(fn, case, mode, sets)
-                call()  # warm-up outside the timer (compiles, allocator)
-                t = timing.time_fn(call, device, quick=settings.quick)
-                res.median_ms, res.p20_ms, res.p80_ms = t.median_ms, t.p20_ms, t.p80_ms
-                res.peak_mem_bytes = _peak_memory(call, device)
-            del call
-        except Exception as exc:  # noqa: BLE001
-            res.status, res.detail = "error", _short_error(exc)
-            continue
+        with _compile_config(key, mode):
+            sets = _run_provider(res, fn, case, mode, settings, sets, cache_bytes)
         _metrics(res, nbytes, flops, bandwidth)
     return CaseResult(
         family=family,
@@ -400,6 +377,52 @@ def run_case(family: str, case: BenchCase, mode: str, settings: Settings, bandwi
         input_sets=len(sets) if sets else 0,
         providers=results,
     )
+
+
+def _compile_config(key: str, mode: str):
+    """AOTAutograd's donated buffers forbid ``retain_graph``; the ``bwd`` mode of the
+    compiled provider turns them off (they only let the backward reuse saved tensors' memory)."""
+    import contextlib
+
+    if key == "compiled" and mode == "bwd":
+        from torch._functorch import config as functorch_config
+
+        if hasattr(functorch_config, "donated_buffer"):
+            return functorch_config.patch(donated_buffer=False)
+    return contextlib.nullcontext()
+
+
+def _run_provider(res: ProviderResult, fn, case: BenchCase, mode: str, settings: Settings, sets, cache_bytes: int):
+    """Checks then times one provider, filling ``res``; returns the (shared) input sets."""
+    try:
+        _check_provider(fn, case, mode, case.eager)
+    except AssertionError as exc:
+        res.status, res.detail = "WRONG", _short_error(exc)
+        return sets
+    except Exception as exc:  # noqa: BLE001  (a compile or runtime error is reported, not fatal)
+        _record_error(res, exc)
+        return sets
+    try:
+        if sets is None:
+            sets = _input_sets(case, mode, cache_bytes)
+        grad_ctx = torch.no_grad() if mode == "fwd" else torch.enable_grad()
+        with grad_ctx:
+            call = _timed_callable(fn, case, mode, sets)
+            call()  # warm-up outside the timer (compiles, allocator)
+            t = timing.time_fn(call, settings.device, quick=settings.quick)
+            res.median_ms, res.p20_ms, res.p80_ms = t.median_ms, t.p20_ms, t.p80_ms
+            res.peak_mem_bytes = _peak_memory(call, settings.device)
+        del call
+    except Exception as exc:  # noqa: BLE001
+        res.median_ms = res.p20_ms = res.p80_ms = res.peak_mem_bytes = None
+        _record_error(res, exc)
+    return sets
+
+
+def _record_error(res: ProviderResult, exc: BaseException) -> None:
+    res.status, res.detail = "error", _short_error(exc)
+    if os.environ.get("OPFORGE_BENCH_TRACEBACK"):
+        traceback.print_exc()
 
 
 class Progress:

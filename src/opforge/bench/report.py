@@ -73,6 +73,7 @@ def environment(device: str) -> dict:
         "cpu_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_isa": cpu_isa(),
+        "load_avg_1m": _load_average(),
         "gpu": None,
     }
     try:
@@ -90,6 +91,23 @@ def environment(device: str) -> dict:
         env["gpu_driver"] = _driver_version()
         env["gpu_l2_bytes"] = getattr(p, "L2_cache_size", None)
     return env
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average at the end of the run (how busy the machine was)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def busy_warning(run: Run) -> str | None:
+    env = run.environment
+    load, cores = env.get("load_avg_1m"), env.get("cpu_cores")
+    if run.settings.device == "cpu" and load is not None and cores and load > cores:
+        return (f"warning: the machine was busy (load average {load:.1f} on {cores} cores); "
+                "CPU timings are unreliable, rerun on a quiet machine")
+    return None
 
 
 def _driver_version() -> str | None:
@@ -188,7 +206,10 @@ def table(run: Run) -> str:
     def fmt(cells):
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
-    lines = [_summary_line(run), "", fmt(header), "  ".join("-" * w for w in widths)]
+    lines = [_summary_line(run)]
+    if busy_warning(run):
+        lines.append(busy_warning(run))
+    lines += ["", fmt(header), "  ".join("-" * w for w in widths)]
     lines += [fmt(b) for b in body]
     if not body:
         lines.append("(no cases selected)")
@@ -207,6 +228,7 @@ def markdown(run: Run) -> str:
         "",
         _summary_line(run) + ".",
         "",
+        *([f"**{busy_warning(run)}**", ""] if busy_warning(run) else []),
         f"Commit `{env.get('git_commit')}`, measured {env['date_utc']}, {run.seconds:.0f} s in all. "
         "Times are medians in milliseconds; p20/p80 are in the JSON. Speedup = the other provider's time / opforge's. "
         "% floor = opforge's GB/s over the device-copy bandwidth measured in the same run. See docs/bench.md for the method.",
