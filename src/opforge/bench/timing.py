@@ -22,8 +22,12 @@ class Timing:
     @classmethod
     def from_samples(cls, samples_ms: list[float]) -> "Timing":
         s = sorted(samples_ms)
-        q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
-        return cls(statistics.median(s), q[1], q[7])
+        med = statistics.median(s)
+        if len(s) < 2 or s[0] == s[-1]:
+            return cls(med, med, med)
+        q = statistics.quantiles(s, n=10, method="inclusive")
+        # interpolation can land an ulp outside the median; keep p20 <= median <= p80
+        return cls(med, min(q[1], med), max(q[7], med))
 
 
 def time_cuda(fn, *, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_reps: int = 10) -> Timing:
