@@ -208,3 +208,11 @@ def test_tiny_run_cuda(families):
     assert by_op[("tiny_wrong", "fwd")].providers["opforge"].status == "WRONG"
     assert run.environment["gpu"] and run.copy_bandwidth_gbps > 100
     assert run.cache_bytes >= 1 << 20
+
+
+def test_timing_percentiles_bracket_the_median():
+    from opforge.bench.timing import Timing
+
+    assert Timing.from_samples([0.1, 0.1]) == Timing(0.1, 0.1, 0.1)
+    t = Timing.from_samples([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert t.median_ms == 3.0 and t.p20_ms <= 3.0 <= t.p80_ms
