@@ -305,19 +305,24 @@ def write_plot(run: Run, path: str | os.PathLike) -> None:
     xs = list(range(len(res)))
     w = 0.38
 
-    def vals(fn):
-        return [fn(r) or 0.0 for r in res]
+    def vals(fn):  # a missing value (provider failed or absent) is not drawn
+        return [v if (v := fn(r)) else float("nan") for r in res]
 
     ax1.bar([x - w / 2 for x in xs], vals(lambda r: r.speedup("eager")), w, label="over eager")
     ax1.bar([x + w / 2 for x in xs], vals(lambda r: r.speedup("compiled")), w, label="over torch.compile")
     ax1.axhline(1.0, color="black", linewidth=0.8)
-    ax1.set_ylabel("speedup of opforge (x)")
+    if res:
+        from matplotlib.ticker import FuncFormatter
+
+        ax1.set_yscale("log", base=2)
+        ax1.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax1.set_ylabel("opforge speedup (log scale)")
     ax1.set_title(_summary_line(run), fontsize=8)
     ax1.legend(fontsize=8)
 
     w3 = 0.27
     for j, key in enumerate(("opforge", "eager", "compiled")):
-        ys = [(r.providers[key].pct_floor or 0.0) if key in r.providers else 0.0 for r in res]
+        ys = [(r.providers[key].pct_floor or float("nan")) if key in r.providers else float("nan") for r in res]
         ax2.bar([x + (j - 1) * w3 for x in xs], ys, w3, label=key)
     ax2.axhline(100.0, color="black", linewidth=0.8, linestyle="--")
     ax2.set_ylabel("% of the copy-bandwidth floor")
