@@ -216,3 +216,14 @@ def test_timing_percentiles_bracket_the_median():
     assert Timing.from_samples([0.1, 0.1]) == Timing(0.1, 0.1, 0.1)
     t = Timing.from_samples([3.0, 1.0, 2.0, 5.0, 4.0])
     assert t.median_ms == 3.0 and t.p20_ms <= 3.0 <= t.p80_ms
+
+
+def test_demo_is_quick_bench(monkeypatch):
+    from opforge.bench import cli_args
+
+    seen = {}
+    monkeypatch.setattr(cli_args, "run_bench", lambda args: seen.setdefault("args", args) and 0)
+    assert cli.build_parser().parse_args(["demo"]).func is cli_args.run_demo
+    cli.main(["demo", "--device", "cpu"])
+    args = seen["args"]
+    assert args.quick and args.device == "cpu" and args.ops == [] and args.mode is None
