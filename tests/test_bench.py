@@ -227,3 +227,18 @@ def test_demo_is_quick_bench(monkeypatch):
     cli.main(["demo", "--device", "cpu"])
     args = seen["args"]
     assert args.quick and args.device == "cpu" and args.ops == [] and args.mode is None
+
+
+def test_broken_family_is_reported_not_fatal(families):
+    def broken(device):
+        raise ImportError("peer library missing")
+
+    registry._REGISTRY["_test_broken"] = broken
+    try:
+        run = harness.run(harness.Settings(device="cpu", quick=True, ops=("_test_broken", "_test_wrong")), progress=False)
+    finally:
+        registry._REGISTRY.pop("_test_broken")
+    assert [r.op for r in run.results] == ["tiny_wrong"]
+    assert run.problems == ["_test_broken: cases could not be built: ImportError: peer library missing"]
+    assert "peer library missing" in report.table(run)
+    assert report.to_json(run)["problems"] == run.problems

@@ -117,6 +117,7 @@ class Run:
     cache_bytes: int
     results: list[CaseResult]
     seconds: float = 0.0
+    problems: list[str] = dataclasses.field(default_factory=list)  # families left out, and why
 
 
 # ---------------------------------------------------------------------------
@@ -302,11 +303,20 @@ def _short_error(exc: BaseException) -> str:
 # Running
 
 
-def collect_cases(settings: Settings) -> list[tuple[str, BenchCase]]:
-    """(family, case) pairs selected by the settings."""
+def collect_cases(settings: Settings, problems: list[str] | None = None) -> list[tuple[str, BenchCase]]:
+    """(family, case) pairs selected by the settings.
+
+    A family whose cases cannot be built (say, its peer library is missing) is
+    left out and named in ``problems``; the others still run.
+    """
     out = []
     for family, make in sorted(families().items()):
-        cases = make(settings.device)
+        try:
+            cases = make(settings.device)
+        except Exception as exc:  # noqa: BLE001
+            if problems is not None:
+                problems.append(f"{family}: cases could not be built: {_short_error(exc)}")
+            continue
         for case in cases:
             if settings.ops and family not in settings.ops and case.op not in settings.ops:
                 continue
@@ -323,7 +333,10 @@ def known_names(device: str = "cpu") -> set[str]:
     names = set()
     for family, make in families().items():
         names.add(family)
-        names.update(c.op for c in make(device))
+        try:
+            names.update(c.op for c in make(device))
+        except Exception:  # noqa: BLE001  (reported by the run itself)
+            pass
     return names
 
 
@@ -462,7 +475,8 @@ def run(settings: Settings, progress: bool = True) -> Run:
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA GPU is visible to torch")
     began = time.monotonic()
-    cases = collect_cases(settings)
+    problems: list[str] = []
+    cases = collect_cases(settings, problems)
     work = [(f, c, m) for f, c in cases for m in _modes_for(c, settings)]
     bar = Progress(len(work) + 1, enabled=progress)
     bar.step("measuring device-copy bandwidth")
@@ -482,4 +496,5 @@ def run(settings: Settings, progress: bool = True) -> Run:
         cache_bytes=cache_bytes,
         results=results,
         seconds=time.monotonic() - began,
+        problems=problems,
     )

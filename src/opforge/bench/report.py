@@ -179,7 +179,7 @@ def rows(run: Run) -> tuple[list[str], list[list[str]]]:
 
 
 def _notes(run: Run) -> list[str]:
-    notes = []
+    notes = list(run.problems)
     for r in run.results:
         for key, p in r.providers.items():
             if p.status != "ok":
@@ -261,6 +261,7 @@ def to_json(run: Run) -> dict:
         "copy_bandwidth_gbps": run.copy_bandwidth_gbps,
         "last_level_cache_bytes": run.cache_bytes,
         "seconds": run.seconds,
+        "problems": run.problems,
         "results": [
             {
                 "family": r.family,
