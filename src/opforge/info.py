@@ -60,7 +60,7 @@ def report() -> str:
         f"torch        {torch.__version__} (kernels built for torch {built['torch']})",
         f"python       {platform.python_version()}",
         f"CUDA kernels {'built for CUDA ' + built['cuda'] + ', archs ' + built['archs'] if built['cuda'] != 'none' else 'not built'}",
-        f"CPU kernels  {isa} (compiled for DEFAULT, AVX2, AVX512; picked at run time)",
+        f"CPU kernels  {isa} (the best instruction set compiled in, picked at run time)",
         f"ops          {', '.join(registered_ops())}",
         f"bench cases  {_bench_families()}",
         f"peers        {_peers()}",
