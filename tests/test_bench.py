@@ -79,6 +79,7 @@ def test_tiny_run_table_json_markdown_plot(families, tmp_path, capsys):
 
     data = json.loads(paths["json"].read_text())
     assert data["schema"] == report.SCHEMA
+    assert data["settings"]["timer"].startswith("torch.utils.benchmark")
     env = data["environment"]
     for key in ("device", "opforge", "git_commit", "torch", "cuda", "cpu", "cpu_isa", "gpu", "python", "date_utc"):
         assert key in env

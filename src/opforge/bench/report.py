@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from . import timing
 from .harness import PROVIDERS, CaseResult, Run
 
 SCHEMA = "opforge-bench/1"
@@ -257,6 +258,7 @@ def to_json(run: Run) -> dict:
             "dtypes": None if s.dtypes is None else [str(d).removeprefix("torch.") for d in s.dtypes],
             "ops": list(s.ops),
             "compile": s.compile,
+            "timer": timing.describe(s.device, s.quick),
         },
         "copy_bandwidth_gbps": run.copy_bandwidth_gbps,
         "last_level_cache_bytes": run.cache_bytes,
