@@ -243,3 +243,12 @@ def test_broken_family_is_reported_not_fatal(families):
     assert run.problems == ["_test_broken: cases could not be built: ImportError: peer library missing"]
     assert "peer library missing" in report.table(run)
     assert report.to_json(run)["problems"] == run.problems
+
+
+def test_busy_machine_warning():
+    def run_with(load):
+        env = {"load_avg_1m": load, "cpu_cores": 2, "torch_threads": 2}
+        return harness.Run(harness.Settings(device="cpu"), env, 10.0, 1 << 20, [])
+
+    assert report.busy_warning(run_with(2.5)) is None  # the run's own two threads
+    assert "busy" in report.busy_warning(run_with(6.0))

@@ -103,11 +103,16 @@ def _load_average() -> float | None:
 
 
 def busy_warning(run: Run) -> str | None:
+    """A warning when other work loaded the CPU during a CPU run.
+
+    The run itself accounts for up to its torch threads of the load average;
+    more than half the cores beyond that is someone else's work.
+    """
     env = run.environment
-    load, cores = env.get("load_avg_1m"), env.get("cpu_cores")
-    if run.settings.device == "cpu" and load is not None and cores and load > cores:
-        return (f"warning: the machine was busy (load average {load:.1f} on {cores} cores); "
-                "CPU timings are unreliable, rerun on a quiet machine")
+    load, cores, own = env.get("load_avg_1m"), env.get("cpu_cores"), env.get("torch_threads") or 1
+    if run.settings.device == "cpu" and load is not None and cores and load - own > cores / 2:
+        return (f"warning: the machine was busy (load average {load:.1f} on {cores} cores, this run "
+                f"uses {own} threads); CPU timings are unreliable, rerun on a quiet machine")
     return None
 
 
