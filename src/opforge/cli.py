@@ -1,4 +1,4 @@
-"""The ``opforge`` command: ``info``, ``demo``, ``cache``, ``new``, ``doctor``.
+"""The ``opforge`` command: ``info``, ``bench``, ``demo``, ``cache``, ``new``, ``doctor``.
 
 Run it as ``opforge ...`` (installed) or ``python -m opforge_cli ...``.
 """
@@ -24,13 +24,6 @@ def _cmd_cache(args) -> int:
         print(f"removed {removed}" if removed else f"nothing to remove at {jit.cache_dir()}")
     else:
         print(jit.cache_dir())
-    return 0
-
-
-def _cmd_demo(args) -> int:
-    from . import demo
-
-    demo.run(device=args.device)
     return 0
 
 
@@ -63,10 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["clear", "path"], help="clear: remove it; path: print where it is")
     p.set_defaults(func=_cmd_cache)
 
-    p = sub.add_parser("demo", help="add_relu vs eager slow_add vs torch.compile on this machine")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.set_defaults(func=_cmd_demo)
-
     p = sub.add_parser("new", help="create a standalone extension project for your own op")
     p.add_argument("name", help="package and torch namespace of the new project (a Python identifier)")
     p.add_argument("--dir", default=None, help="where to create it (default: ./NAME); must be empty or absent")
@@ -77,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check the toolchain a build needs and say how to fix what is missing")
     p.add_argument("--no-kernels", action="store_true", help="skip loading opforge's kernels (in a subprocess)")
     p.set_defaults(func=_cmd_doctor)
+
+    from .bench.cli_args import add_parsers as add_bench_parsers
+
+    add_bench_parsers(sub)  # `bench` and `demo` (= `bench --quick`)
     return parser
 
 

@@ -37,6 +37,7 @@ class BenchCase:
     rtol: float | None = None
     compare: Callable | None = None  # custom check(ours_out, eager_out) -> None, raises on mismatch
     quick: bool = False  # part of `opforge bench --quick`
+    flops_bwd: float = 0.0  # FLOPs of the backward pass (compute-bound cases)
 
 
 _REGISTRY: dict[str, Callable[[str], list[BenchCase]]] = {}

@@ -22,8 +22,12 @@ class Timing:
     @classmethod
     def from_samples(cls, samples_ms: list[float]) -> "Timing":
         s = sorted(samples_ms)
-        q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
-        return cls(statistics.median(s), q[1], q[7])
+        med = statistics.median(s)
+        if len(s) < 2 or s[0] == s[-1]:
+            return cls(med, med, med)
+        q = statistics.quantiles(s, n=10, method="inclusive")
+        # interpolation can land an ulp outside the median; keep p20 <= median <= p80
+        return cls(med, min(q[1], med), max(q[7], med))
 
 
 def time_cuda(fn, *, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_reps: int = 10) -> Timing:
@@ -61,10 +65,22 @@ def time_cpu(fn, *, min_run_time: float = 0.2) -> Timing:
     return Timing.from_samples(per_call if len(per_call) > 1 else per_call * 2)
 
 
+# How long each measurement runs: GPU milliseconds of reps, CPU min_run_time seconds.
+CUDA_REP_MS = {False: 100.0, True: 40.0}
+CPU_MIN_RUN_TIME = {False: 0.3, True: 0.1}
+
+
+def describe(device: str, quick: bool = False) -> str:
+    """The timer and its budget, in words (recorded with the results)."""
+    if device == "cuda":
+        return f"CUDA events per call, {CUDA_REP_MS[quick]:g} ms of reps after 25 ms of warm-up"
+    return f"torch.utils.benchmark blocked_autorange, min_run_time {CPU_MIN_RUN_TIME[quick]:g} s"
+
+
 def time_fn(fn, device: str, quick: bool = False) -> Timing:
     if device == "cuda":
-        return time_cuda(fn, rep_ms=40.0 if quick else 100.0)
-    return time_cpu(fn, min_run_time=0.1 if quick else 0.3)
+        return time_cuda(fn, rep_ms=CUDA_REP_MS[quick])
+    return time_cpu(fn, min_run_time=CPU_MIN_RUN_TIME[quick])
 
 
 def copy_bandwidth_gbps(device: str, nbytes: int | None = None) -> float:

@@ -2,6 +2,7 @@
 // registration linked into this library; it defines no Python functions, so
 // it needs only the stable CPython ABI (the wheel is abi3).
 #include <Python.h>
+#include <opforge/cpu_isa.h>
 #include <torch/library.h>
 
 #include <string>
@@ -19,9 +20,12 @@ PyObject* PyInit__C(void) {
 namespace {
 
 // What this library was built with, as "key=value;..." so `opforge info` and
-// the import-time version check can read it without a Python binding.
+// the import-time version check can read it without a Python binding. It
+// also names the instruction set the CPU kernels run with on this machine.
 std::string build_info() {
   std::string info = "torch=" OPFORGE_STR(OPFORGE_TORCH_MAJOR) "." OPFORGE_STR(OPFORGE_TORCH_MINOR);
+  info += ";cpu_isa=";
+  info += opforge::cpu::isa_name();
 #ifdef OPFORGE_WITH_CUDA
   info += ";cuda=" OPFORGE_STR(OPFORGE_CUDA_VERSION) ";archs=" OPFORGE_STR(OPFORGE_CUDA_ARCHS);
 #else

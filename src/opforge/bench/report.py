@@ -1,0 +1,348 @@
+"""Bench results as a terminal table, JSON, Markdown and a PNG chart."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from . import timing
+from .harness import PROVIDERS, CaseResult, Run
+
+SCHEMA = "opforge-bench/1"
+
+
+# ---------------------------------------------------------------------------
+# Environment
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_commit() -> str | None:
+    """The source tree's commit (with ``-dirty`` if it has changes), if it is a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if dirty else "") if commit else None
+
+
+def cpu_isa() -> str:
+    """The instruction set opforge's CPU kernels run with (as reported by the library)."""
+    from .. import _loader
+
+    try:
+        isa = _loader.build_info().get("cpu_isa")
+    except Exception:  # noqa: BLE001  (kernels not loaded)
+        isa = None
+    return isa or torch.backends.cpu.get_cpu_capability()
+
+
+def environment(device: str) -> dict:
+    import opforge
+
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": device,
+        "opforge": opforge.__version__,
+        "git_commit": git_commit(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_isa": cpu_isa(),
+        "load_avg_1m": _load_average(),
+        "gpu": None,
+    }
+    try:
+        import torchvision
+
+        env["torchvision"] = torchvision.__version__
+    except Exception:  # noqa: BLE001
+        env["torchvision"] = None
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env["gpu"] = p.name
+        env["gpu_sm"] = f"sm_{p.major}{p.minor}"
+        env["gpu_sms"] = p.multi_processor_count
+        env["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
+        env["gpu_driver"] = _driver_version()
+        env["gpu_l2_bytes"] = getattr(p, "L2_cache_size", None)
+    return env
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average at the end of the run (how busy the machine was)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def busy_warning(run: Run) -> str | None:
+    """A warning when other work loaded the CPU during a CPU run.
+
+    The run itself accounts for up to its torch threads of the load average;
+    more than half the cores beyond that is someone else's work.
+    """
+    env = run.environment
+    load, cores, own = env.get("load_avg_1m"), env.get("cpu_cores"), env.get("torch_threads") or 1
+    if run.settings.device == "cpu" and load is not None and cores and load - own > cores / 2:
+        return (f"warning: the machine was busy (load average {load:.1f} on {cores} cores, this run "
+                f"uses {own} threads); CPU timings are unreliable, rerun on a quiet machine")
+    return None
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version from nvidia-smi, if it is on the PATH."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
+
+
+# ---------------------------------------------------------------------------
+# Formatting
+
+
+def _ms(res) -> str:
+    if res is None:
+        return "-"
+    if res.status != "ok":
+        return res.status
+    return f"{res.median_ms:.4f}" if res.median_ms < 10 else f"{res.median_ms:.2f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _roof(r: CaseResult) -> tuple[str, str]:
+    """(rate, % of floor) of opforge: GB/s and % for memory-bound cases, TFLOP/s for compute-bound."""
+    ours = r.providers["opforge"]
+    if ours.gbps is not None:
+        return f"{ours.gbps:.1f} GB/s", f"{ours.pct_floor:.0f}%" if ours.pct_floor is not None else "-"
+    if ours.tflops is not None:
+        return f"{ours.tflops:.2f} TFLOP/s", "-"
+    return "-", "-"
+
+
+def _mib(res) -> str:
+    if res is None or res.peak_mem_bytes is None:
+        return "-"
+    return f"{res.peak_mem_bytes / 2**20:.0f}"
+
+
+def rows(run: Run) -> tuple[list[str], list[list[str]]]:
+    """The table's header and rows; peak-memory columns only when memory was measured (GPU)."""
+    with_mem = any(p.peak_mem_bytes is not None for r in run.results for p in r.providers.values())
+    header = ["op", "shape", "dtype", "mode", "opforge ms", "eager ms", "compiled ms", "peer ms",
+              "vs eager", "vs compiled", "vs peer", "opforge rate", "% floor"]
+    if with_mem:
+        header += ["peak MiB opforge/eager/compiled"]
+    out = []
+    for r in run.results:
+        rate, pct = _roof(r)
+        peer = r.providers.get("peer")
+        row = [
+            r.op, r.shape, r.dtype, r.mode,
+            _ms(r.providers["opforge"]), _ms(r.providers["eager"]), _ms(r.providers.get("compiled")),
+            (f"{_ms(peer)} ({peer.name})" if peer is not None else "-"),
+            _x(r.speedup("eager")), _x(r.speedup("compiled")), _x(r.speedup("peer")),
+            rate, pct,
+        ]
+        if with_mem:
+            row.append("/".join(_mib(r.providers.get(k)) for k in ("opforge", "eager", "compiled")))
+        out.append(row)
+    return header, out
+
+
+def _notes(run: Run) -> list[str]:
+    notes = list(run.problems)
+    for r in run.results:
+        for key, p in r.providers.items():
+            if p.status != "ok":
+                notes.append(f"{r.op} {r.shape} {r.dtype} {r.mode}: {key} ({p.name}) {p.status}: {p.detail}")
+    return notes
+
+
+def _summary_line(run: Run) -> str:
+    env = run.environment
+    where = env["gpu"] if run.settings.device == "cuda" else f"{env['cpu']} ({env['cpu_cores']} cores, {env['cpu_isa']})"
+    return (
+        f"opforge {env['opforge']} on {run.settings.device} ({where}); torch {env['torch']}"
+        + (f", CUDA {env['cuda']}" if env.get("cuda") else "")
+        + f"; device copy {run.copy_bandwidth_gbps:.1f} GB/s; last-level cache {run.cache_bytes >> 20} MiB"
+        + ("; quick" if run.settings.quick else "")
+    )
+
+
+def table(run: Run) -> str:
+    header, body = rows(run)
+    widths = [max(len(header[i]), *(len(b[i]) for b in body)) if body else len(header[i]) for i in range(len(header))]
+    right = set(range(4, len(header)))
+
+    def fmt(cells):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    lines = [_summary_line(run)]
+    if busy_warning(run):
+        lines.append(busy_warning(run))
+    lines += ["", fmt(header), "  ".join("-" * w for w in widths)]
+    lines += [fmt(b) for b in body]
+    if not body:
+        lines.append("(no cases selected)")
+    notes = _notes(run)
+    if notes:
+        lines += ["", *notes]
+    lines.append(f"\ntimes: median ms; speedup = provider time / opforge time; % floor = opforge GB/s / device-copy GB/s. {run.seconds:.0f} s.")
+    return "\n".join(lines)
+
+
+def markdown(run: Run) -> str:
+    header, body = rows(run)
+    env = run.environment
+    lines = [
+        "# opforge benchmark results",
+        "",
+        _summary_line(run) + ".",
+        "",
+        *([f"**{busy_warning(run)}**", ""] if busy_warning(run) else []),
+        f"Commit `{env.get('git_commit')}`, measured {env['date_utc']}, {run.seconds:.0f} s in all. "
+        "Times are medians in milliseconds; p20/p80 are in the JSON. Speedup = the other provider's time / opforge's. "
+        "% floor = opforge's GB/s over the device-copy bandwidth measured in the same run. See docs/bench.md for the method.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" if i < 4 else "---:" for i in range(len(header))) + " |",
+    ]
+    lines += ["| " + " | ".join(b) + " |" for b in body]
+    notes = _notes(run)
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    lines += ["", "Environment:", "", "| key | value |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in env.items()]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(run: Run) -> dict:
+    s = run.settings
+    return {
+        "schema": SCHEMA,
+        "environment": run.environment,
+        "settings": {
+            "device": s.device,
+            "quick": s.quick,
+            "modes": list(s.modes),
+            "dtypes": None if s.dtypes is None else [str(d).removeprefix("torch.") for d in s.dtypes],
+            "ops": list(s.ops),
+            "compile": s.compile,
+            "timer": timing.describe(s.device, s.quick),
+        },
+        "copy_bandwidth_gbps": run.copy_bandwidth_gbps,
+        "last_level_cache_bytes": run.cache_bytes,
+        "seconds": run.seconds,
+        "problems": run.problems,
+        "results": [
+            {
+                "family": r.family,
+                "op": r.op,
+                "shape": r.shape,
+                "dtype": r.dtype,
+                "mode": r.mode,
+                "bytes": r.bytes,
+                "flops": r.flops,
+                "input_sets": r.input_sets,
+                "speedup_vs_eager": r.speedup("eager"),
+                "speedup_vs_compiled": r.speedup("compiled"),
+                "speedup_vs_peer": r.speedup("peer"),
+                "providers": {k: dataclasses.asdict(p) for k, p in r.providers.items()},
+            }
+            for r in run.results
+        ],
+    }
+
+
+def write_json(run: Run, path: str | os.PathLike) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(to_json(run), indent=1) + "\n")
+
+
+def write_markdown(run: Run, path: str | os.PathLike) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(markdown(run))
+
+
+def write_plot(run: Run, path: str | os.PathLike) -> None:
+    """Two panels: speedup over eager and over torch.compile per case; % of floor per provider."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [r for r in run.results if r.providers["opforge"].status == "ok"]
+    labels = [f"{r.op} {r.shape} {r.dtype} {r.mode}" for r in res]
+    n = max(len(res), 1)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8.0, 0.55 * n + 3), 9), constrained_layout=True)
+    xs = list(range(len(res)))
+    w = 0.38
+
+    def vals(fn):  # a missing value (provider failed or absent) is not drawn
+        return [v if (v := fn(r)) else float("nan") for r in res]
+
+    ax1.bar([x - w / 2 for x in xs], vals(lambda r: r.speedup("eager")), w, label="over eager")
+    ax1.bar([x + w / 2 for x in xs], vals(lambda r: r.speedup("compiled")), w, label="over torch.compile")
+    ax1.axhline(1.0, color="black", linewidth=0.8)
+    if res:
+        from matplotlib.ticker import FuncFormatter
+
+        ax1.set_yscale("log", base=2)
+        ax1.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax1.set_ylabel("opforge speedup (log scale)")
+    ax1.set_title(_summary_line(run), fontsize=8)
+    ax1.legend(fontsize=8)
+
+    w3 = 0.27
+    for j, key in enumerate(("opforge", "eager", "compiled")):
+        ys = [(r.providers[key].pct_floor or float("nan")) if key in r.providers else float("nan") for r in res]
+        ax2.bar([x + (j - 1) * w3 for x in xs], ys, w3, label=key)
+    ax2.axhline(100.0, color="black", linewidth=0.8, linestyle="--")
+    ax2.set_ylabel("% of the copy-bandwidth floor")
+    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    if not res:
+        ax1.text(0.5, 0.5, "no case ran", ha="center", transform=ax1.transAxes)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["PROVIDERS", "environment", "table", "markdown", "to_json", "write_json", "write_markdown", "write_plot"]

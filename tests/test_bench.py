@@ -1,0 +1,256 @@
+"""Tests of the benchmark harness, its reports and `opforge info` (CPU, small)."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from opforge import cli, info
+from opforge.bench import harness, registry, report
+
+
+def _tiny(x):
+    return x * 2 + 1
+
+
+class _WrongGrad(torch.autograd.Function):
+    """Right forward, wrong backward (the gradient is off by a factor)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2 + 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def _make(device, op, ours, eager, **kw):
+    n = 4096
+    return registry.BenchCase(
+        op=op,
+        label=f"N={n}",
+        dtype=torch.float32,
+        make_inputs=lambda: [torch.randn(n, device=device)],
+        ours=ours,
+        eager=eager,
+        eager_name="tiny_eager",
+        bytes_fwd=2 * n * 4,
+        bytes_bwd=2 * n * 4,
+        quick=True,
+        **kw,
+    )
+
+
+@pytest.fixture
+def families():
+    """Test-only families, registered for one test and removed after it."""
+    calls = {"wrong": 0}
+
+    def wrong(x):
+        calls["wrong"] += 1
+        return x * 2  # forgets the + 1
+
+    added = {
+        "_test_tiny": lambda device: [_make(device, "tiny", lambda x: torch.add(x * 2, 1), _tiny, grad_inputs=(0,))],
+        "_test_wrong": lambda device: [_make(device, "tiny_wrong", wrong, _tiny, compile=False)],
+        "_test_wrong_grad": lambda device: [_make(device, "tiny_wrong_grad", _WrongGrad.apply, _tiny, grad_inputs=(0,), compile=False)],
+        "_test_nocompile": lambda device: [_make(device, "tiny_nocompile", _tiny, _tiny)],
+    }
+    registry._REGISTRY.update(added)
+    yield calls
+    for name in added:
+        registry._REGISTRY.pop(name, None)
+
+
+def test_tiny_run_table_json_markdown_plot(families, tmp_path, capsys):
+    paths = {k: tmp_path / f"r.{k}" for k in ("json", "md", "png")}
+    rc = cli.main(["bench", "_test_tiny", "--device", "cpu", "--quick", "--mode", "fwd,bwd", "--mode", "full",
+                   "--json", str(paths["json"]), "--markdown", str(paths["md"]), "--plot", str(paths["png"])])
+    out = capsys.readouterr()
+    assert rc == 0, out.out
+    for col in ("op", "shape", "dtype", "mode", "opforge ms", "eager ms", "compiled ms", "peer ms", "vs eager", "vs compiled", "% floor"):
+        assert col in out.out
+    rows = [line for line in out.out.splitlines() if line.startswith("tiny ")]
+    assert [r.split()[3] for r in rows] == ["fwd", "bwd", "full"]
+    assert "device copy" in out.out
+    assert "done" in out.err  # the progress bar went to stderr
+
+    data = json.loads(paths["json"].read_text())
+    assert data["schema"] == report.SCHEMA
+    assert data["settings"]["timer"].startswith("torch.utils.benchmark")
+    env = data["environment"]
+    for key in ("device", "opforge", "git_commit", "torch", "cuda", "cpu", "cpu_isa", "gpu", "python", "date_utc"):
+        assert key in env
+    assert env["device"] == "cpu" and env["cpu_isa"]
+    assert data["copy_bandwidth_gbps"] > 0 and data["last_level_cache_bytes"] > 0
+    assert len(data["results"]) == 3
+    for r in data["results"]:
+        assert {"op", "shape", "dtype", "mode", "bytes", "providers", "speedup_vs_eager", "speedup_vs_compiled"} <= set(r)
+        assert set(r["providers"]) == {"opforge", "eager", "compiled"}
+        for p in r["providers"].values():
+            assert p["status"] == "ok", p
+            assert 0 < p["p20_ms"] <= p["median_ms"] <= p["p80_ms"]
+            assert p["gbps"] > 0 and p["pct_floor"] > 0
+            assert p["peak_mem_bytes"] is None  # not measured on the CPU
+        assert r["input_sets"] > 1  # 32 KiB inputs are rotated
+        assert r["speedup_vs_eager"] > 0
+    assert {r["mode"]: r["bytes"] for r in data["results"]} == {"fwd": 32768, "bwd": 32768, "full": 65536}
+
+    md = paths["md"].read_text()
+    assert md.startswith("# opforge benchmark results")
+    assert "| tiny | N=4096 | float32 | fwd |" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wrong_kernel_is_reported_and_not_timed(families, capsys):
+    settings = harness.Settings(device="cpu", quick=True, modes=("fwd",), ops=("_test_wrong",))
+    run = harness.run(settings, progress=False)
+    (res,) = run.results
+    ours = res.providers["opforge"]
+    assert ours.status == "WRONG" and ours.median_ms is None and ours.gbps is None
+    assert "Mismatched elements" in ours.detail or "output" in ours.detail
+    assert families["wrong"] == 1  # called once by the check, never by a timer
+    assert res.providers["eager"].status == "ok"  # the others are still timed
+    assert res.speedup("eager") is None
+
+    rc = cli.main(["bench", "_test_wrong", "--device", "cpu", "--quick", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    row = next(line for line in out.splitlines() if line.startswith("tiny_wrong "))
+    assert "WRONG" in row
+    assert "opforge (opforge) WRONG" in out
+
+
+def test_wrong_gradient_is_caught(families):
+    run = harness.run(harness.Settings(device="cpu", quick=True, modes=("fwd", "bwd"), ops=("_test_wrong_grad",)), progress=False)
+    status = {r.mode: r.providers["opforge"].status for r in run.results}
+    assert status == {"fwd": "ok", "bwd": "WRONG"}
+    assert "grad of input 0" in run.results[1].providers["opforge"].detail
+
+
+def test_compile_error_is_reported_not_fatal(families, monkeypatch):
+    def failing_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("this composition refuses to compile")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    run = harness.run(harness.Settings(device="cpu", quick=True, modes=("fwd",), ops=("_test_nocompile",)), progress=False)
+    (res,) = run.results
+    assert res.providers["compiled"].status == "error"
+    assert "refuses to compile" in res.providers["compiled"].detail
+    assert res.providers["opforge"].status == "ok" and res.providers["eager"].status == "ok"
+    assert "error" in report.table(run)
+
+
+def test_unknown_op_is_an_error(capsys):
+    assert cli.main(["bench", "no_such_op", "--device", "cpu", "--quick"]) == 2
+    assert "unknown op no_such_op" in capsys.readouterr().out
+
+
+def test_add_relu_cases_are_registered():
+    fams = registry.families()
+    assert "add_relu" in fams
+    cases = fams["add_relu"]("cpu")
+    assert any(c.quick for c in cases)
+    assert all(c.bytes_fwd > 0 and c.grad_inputs for c in cases)
+
+
+def test_progress_bar():
+    stream = io.StringIO()
+    bar = harness.Progress(2, stream=stream)
+    bar.step("first")
+    bar.step("second")
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("[....") and "0/2" in lines[0] and "first" in lines[0]
+    assert lines[-1].startswith("[#####") and "2/2" in lines[-1]
+
+
+def test_last_level_cache_size():
+    assert harness.last_level_cache_bytes("cpu") >= 1 << 20
+
+
+def test_info(capsys):
+    text = info.report()
+    import opforge
+
+    for needle in ("opforge      " + opforge.__version__, "torch        " + torch.__version__, "CUDA kernels",
+                   "CPU kernels", "add_relu", "_add_relu_backward", "bench cases", "JIT cache", "GPU"):
+        assert needle in text, needle
+    from opforge import _loader
+
+    assert f"CPU kernels  {_loader.build_info()['cpu_isa']}" in text  # the ISA the library itself picked
+    assert cli.main(["info"]) == 0
+    assert "CPU kernels" in capsys.readouterr().out
+
+
+def test_report_memory_columns():
+    """Peak-memory columns appear when memory was measured (the GPU)."""
+    p = lambda name, ms, mem: harness.ProviderResult(name, "ok", ms, ms, ms, mem, 1.0, 50.0)  # noqa: E731
+    res = harness.CaseResult("f", "op", "N=1", "float32", "fwd", 8, 0.0, 1,
+                             {"opforge": p("opforge", 1.0, 2 << 20), "eager": p("e", 2.0, 6 << 20), "compiled": p("c", 1.5, 4 << 20)})
+    run = harness.Run(harness.Settings(device="cuda"), {"gpu": "X", "opforge": "0", "torch": "0", "cuda": None,
+                                                        "date_utc": "-", "git_commit": None}, 100.0, 1 << 20, [res])
+    header, rows = report.rows(run)
+    assert header[-1] == "peak MiB opforge/eager/compiled" and rows[0][-1] == "2/6/4"
+    assert rows[0][8] == "2.00x" and rows[0][9] == "1.50x" and rows[0][12] == "50%"
+
+
+@pytest.mark.cuda
+def test_tiny_run_cuda(families):
+    run = harness.run(harness.Settings(device="cuda", quick=True, ops=("_test_tiny", "_test_wrong")), progress=False)
+    by_op = {(r.op, r.mode): r for r in run.results}
+    tiny = by_op[("tiny", "fwd")]
+    for key in ("opforge", "eager", "compiled"):
+        assert tiny.providers[key].status == "ok"
+        assert tiny.providers[key].median_ms > 0 and tiny.providers[key].peak_mem_bytes is not None
+    assert by_op[("tiny_wrong", "fwd")].providers["opforge"].status == "WRONG"
+    assert run.environment["gpu"] and run.copy_bandwidth_gbps > 100
+    assert run.cache_bytes >= 1 << 20
+
+
+def test_timing_percentiles_bracket_the_median():
+    from opforge.bench.timing import Timing
+
+    assert Timing.from_samples([0.1, 0.1]) == Timing(0.1, 0.1, 0.1)
+    t = Timing.from_samples([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert t.median_ms == 3.0 and t.p20_ms <= 3.0 <= t.p80_ms
+
+
+def test_demo_is_quick_bench(monkeypatch):
+    from opforge.bench import cli_args
+
+    seen = {}
+    monkeypatch.setattr(cli_args, "run_bench", lambda args: seen.setdefault("args", args) and 0)
+    assert cli.build_parser().parse_args(["demo"]).func is cli_args.run_demo
+    cli.main(["demo", "--device", "cpu"])
+    args = seen["args"]
+    assert args.quick and args.device == "cpu" and args.ops == [] and args.mode is None
+
+
+def test_broken_family_is_reported_not_fatal(families):
+    def broken(device):
+        raise ImportError("peer library missing")
+
+    registry._REGISTRY["_test_broken"] = broken
+    try:
+        run = harness.run(harness.Settings(device="cpu", quick=True, ops=("_test_broken", "_test_wrong")), progress=False)
+    finally:
+        registry._REGISTRY.pop("_test_broken")
+    assert [r.op for r in run.results] == ["tiny_wrong"]
+    assert run.problems == ["_test_broken: cases could not be built: ImportError: peer library missing"]
+    assert "peer library missing" in report.table(run)
+    assert report.to_json(run)["problems"] == run.problems
+
+
+def test_busy_machine_warning():
+    def run_with(load):
+        env = {"load_avg_1m": load, "cpu_cores": 2, "torch_threads": 2}
+        return harness.Run(harness.Settings(device="cpu"), env, 10.0, 1 << 20, [])
+
+    assert report.busy_warning(run_with(2.5)) is None  # the run's own two threads
+    assert "busy" in report.busy_warning(run_with(6.0))
