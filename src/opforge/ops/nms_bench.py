@@ -44,6 +44,9 @@ def _equal(ours, theirs) -> None:
 
 
 def _padded_equal(ours, theirs) -> None:
+    if isinstance(ours, torch.Tensor):  # the harness also checks eager against itself
+        _equal(ours, theirs)
+        return
     padded, count = ours
     k = int(count)
     _equal(padded[:k], theirs[: padded.numel()])
