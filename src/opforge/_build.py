@@ -30,9 +30,14 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/add_default.cpp",
         "csrc/cpu/add_avx2.cpp",
         "csrc/cpu/add_avx512.cpp",
+        "csrc/cpu/softmax.cpp",
+        "csrc/cpu/softmax_default.cpp",
+        "csrc/cpu/softmax_avx2.cpp",
+        "csrc/cpu/softmax_avx512.cpp",
     ],
     cuda_sources=[
         "csrc/cuda/add.cu",
+        "csrc/cuda/softmax.cu",
     ],
     include_dirs=["csrc"],
 )
