@@ -75,7 +75,8 @@ inline void from_acc(const Acc<T>* src, T* dst, int64_t n) {
 template <typename A>
 inline Vectorized<A> vexp(const Vectorized<A>& v) {
   if constexpr (std::is_same_v<A, float>) {
-    return v.exp_u20();
+    // exp_u20 maps NaN to +inf; keep NaN so it propagates as in torch.
+    return Vectorized<A>::blendv(v.exp_u20(), v, v != v);
   } else {
     return v.exp();
   }
