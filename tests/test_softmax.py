@@ -214,7 +214,7 @@ def test_scaled_masked_nan_propagates_and_strides(dtype, device):
     x[1, 2, 7] = NAN
     check_smsm(x, None, 0.5, equal_nan=True)
     base = rand((8, 50, 6), dtype, device)
-    mask = torch.rand((50, 8), device=device) < 0.3
+    mask = torch.rand((50, 6), device=device) < 0.3
     check_smsm(base.transpose(1, 2), mask.t(), 1.25)  # non-contiguous x and mask
     check_smsm(base[:, 1:, 1:], None, 1.0, causal=True)
 

@@ -31,11 +31,18 @@ struct RowOffset {
   int64_t strides[kMaxDims] = {};  // the mask's strides for them (0 = broadcast)
 
   OPFORGE_HD int64_t operator()(int64_t row) const {
+    // Unrolled with constant indices, so a kernel argument is never
+    // indexed dynamically (that would copy it to local memory).
     int64_t off = 0;
-    for (int d = ndim - 1; d >= 0; --d) {
-      const int64_t s = sizes[d];
-      off += (row % s) * strides[d];
-      row /= s;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+    for (int d = kMaxDims - 1; d >= 0; --d) {
+      if (d < ndim) {
+        const int64_t s = sizes[d];
+        off += (row % s) * strides[d];
+        row /= s;
+      }
     }
     return off;
   }
@@ -48,7 +55,7 @@ struct FwdArgs {
   void* out;
   int64_t outer, K, inner;
   // scaled_masked_softmax only (inner == 1):
-  float scale = 1.f;
+  double scale = 1.0;
   const void* mask = nullptr;  // bool (uint8) or x's dtype, last dim contiguous
   bool mask_is_bool = false;
   RowOffset mask_rows;
@@ -63,7 +70,7 @@ struct BwdArgs {
   const void* out;  // the forward's output y
   void* grad_in;
   int64_t outer, K, inner;
-  float scale = 1.f;
+  double scale = 1.0;
 };
 
 }  // namespace opforge::softmax

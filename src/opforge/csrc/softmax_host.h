@@ -77,7 +77,7 @@ inline Prepared prepare_scaled_masked(const char* op, const at::Tensor& x, const
   a.in = p.x.const_data_ptr();
   a.out = p.out.mutable_data_ptr();
   view_3d(p.x, x.dim() - 1, a.outer, a.K, a.inner);
-  a.scale = static_cast<float>(scale);
+  a.scale = scale;
   a.causal = causal;
   a.Lq = x.dim() >= 2 ? x.size(-2) : 1;
   if (a.Lq == 0) a.Lq = 1;
@@ -152,7 +152,7 @@ inline PreparedBwd prepare_backward(const char* op, Mode mode, const at::Tensor&
   a.grad = p.grad.const_data_ptr();
   a.out = p.out.const_data_ptr();
   a.grad_in = p.grad_in.mutable_data_ptr();
-  a.scale = static_cast<float>(scale);
+  a.scale = scale;
   view_3d(p.out, d, a.outer, a.K, a.inner);
   return p;
 }

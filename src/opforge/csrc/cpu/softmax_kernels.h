@@ -94,6 +94,44 @@ inline A row_max(const A* src, int64_t n) {
   return at::vec::reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, src, n);
 }
 
+// Half types: converts n values of src into dst (float) and returns their
+// max, in one pass.
+template <typename T>
+inline float to_acc_max(const T* src, float* dst, int64_t n) {
+  using IO = VecIO<T>;
+  using V = Vectorized<float>;
+  constexpr int64_t W = IO::kWidth;
+  V mx(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const auto p = IO::load(src + i);
+    p.v[0].store(dst + i);
+    p.v[1].store(dst + i + V::size());
+    mx = at::vec::maximum(mx, at::vec::maximum(p.v[0], p.v[1]));
+  }
+  float m = at::vec::vec_reduce_all<float>([](V& a, V& b) { return at::vec::maximum(a, b); }, mx);
+  for (; i < n; ++i) {
+    dst[i] = static_cast<float>(src[i]);
+    m = max_nan(m, dst[i]);
+  }
+  return m;
+}
+
+// Half types: dst = T(src * mul + add), rounded once, in one pass.
+template <typename T>
+inline void affine_from_acc(const float* src, T* dst, int64_t n, float mul, float add) {
+  using V = Vectorized<float>;
+  constexpr int64_t W = Vectorized<T>::size();
+  const V vm(mul), va(add);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    at::vec::convert_from_float<T>(at::vec::fmadd(V::loadu(src + i), vm, va),
+                                   at::vec::fmadd(V::loadu(src + i + V::size()), vm, va))
+        .store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul + add);
+}
+
 // dst[i] = exp(src[i] - m); returns the sum. dst may alias src.
 template <typename A>
 inline A exp_and_sum(const A* src, A* dst, int64_t n, A m) {
@@ -186,13 +224,17 @@ void fwd_rows(const sm::FwdArgs& a) {
         for (int64_t j = valid; j < K; ++j) buf[j] = -std::numeric_limits<A>::infinity();
         src = buf;
       } else if constexpr (kNeedsConvert<T>) {
-        to_acc(x, buf, K);
         src = buf;
       } else {
         src = x;
       }
 
-      const A m = row_max(src, K);
+      A m;
+      if constexpr (kNeedsConvert<T>) {
+        m = masked_mode ? row_max(src, K) : to_acc_max(x, buf, K);
+      } else {
+        m = row_max(src, K);
+      }
       if (masked_mode && m == -std::numeric_limits<A>::infinity()) {
         // Every key masked out: zeros (documented), not NaN.
         std::fill(y, y + K, T(0));
@@ -202,8 +244,7 @@ void fwd_rows(const sm::FwdArgs& a) {
         const A c = m + std::log(sum_exp(src, K, m));
         const V vc(c);
         if constexpr (kNeedsConvert<T>) {
-          at::vec::map([vc](V v) { return v - vc; }, buf, src, K);
-          from_acc(buf, y, K);
+          affine_from_acc(buf, y, K, 1.f, -c);
         } else {
           at::vec::map([vc](V v) { return v - vc; }, y, src, K);
         }
@@ -215,9 +256,12 @@ void fwd_rows(const sm::FwdArgs& a) {
           dst = y;
         }
         const A s = exp_and_sum(src, dst, K, m);
-        const V inv(A(1) / s);
-        at::vec::map([inv](V v) { return v * inv; }, dst, dst, K);
-        if constexpr (kNeedsConvert<T>) from_acc(buf, y, K);
+        if constexpr (kNeedsConvert<T>) {
+          affine_from_acc(buf, y, K, A(1) / s, 0.f);
+        } else {
+          const V inv(A(1) / s);
+          at::vec::map([inv](V v) { return v * inv; }, dst, dst, K);
+        }
       }
     }
   });
@@ -276,6 +320,42 @@ void fwd_cols(const sm::FwdArgs& a) {
 
 // ------------------------------------------------------------------ backward
 
+// Half types, one row: the sum in one pass over (dy, y) converted on the
+// fly, then the result in a second pass (the row is in cache by then).
+template <typename T>
+void bwd_row_reduced(const T* dy, const T* y, T* dx, int64_t K, bool log_mode, float scale) {
+  using IO = VecIO<T>;
+  using V = Vectorized<float>;
+  constexpr int64_t W = IO::kWidth;
+  V acc(0);
+  int64_t i = 0;
+  for (; i + W <= K; i += W) {
+    const auto g = IO::load(dy + i);
+    if (log_mode) {
+      acc = acc + g.v[0] + g.v[1];
+    } else {
+      const auto o = IO::load(y + i);
+      acc = at::vec::fmadd(g.v[0], o.v[0], acc);
+      acc = at::vec::fmadd(g.v[1], o.v[1], acc);
+    }
+  }
+  float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc);
+  for (int64_t j = i; j < K; ++j) s += log_mode ? static_cast<float>(dy[j]) : static_cast<float>(dy[j]) * static_cast<float>(y[j]);
+  const V vs(s), vscale(scale);
+  for (i = 0; i + W <= K; i += W) {
+    auto g = IO::load(dy + i);
+    const auto o = IO::load(y + i);
+    for (int k = 0; k < 2; ++k) {
+      g.v[k] = log_mode ? g.v[k] - vexp(o.v[k]) * vs : o.v[k] * (g.v[k] - vs) * vscale;
+    }
+    IO::store(dx + i, g);
+  }
+  for (; i < K; ++i) {
+    const float g = static_cast<float>(dy[i]), o = static_cast<float>(y[i]);
+    dx[i] = static_cast<T>(log_mode ? g - std::exp(o) * s : o * (g - s) * scale);
+  }
+}
+
 template <typename T>
 void bwd_rows(const sm::BwdArgs& a) {
   using A = Acc<T>;
@@ -289,32 +369,23 @@ void bwd_rows(const sm::BwdArgs& a) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
 
   at::parallel_for(0, a.outer, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<A> scratch(kNeedsConvert<T> ? 2 * K : 0);
     for (int64_t r = r0; r < r1; ++r) {
-      const A* dy;
-      const A* y;
-      A* dst;
       if constexpr (kNeedsConvert<T>) {
-        to_acc(gy + r * K, scratch.data(), K);
-        to_acc(yy + r * K, scratch.data() + K, K);
-        dy = scratch.data();
-        y = scratch.data() + K;
-        dst = scratch.data();
+        bwd_row_reduced(gy + r * K, yy + r * K, gx + r * K, K, log_mode, scale);
       } else {
-        dy = gy + r * K;
-        y = yy + r * K;
-        dst = gx + r * K;
+        const A* dy = gy + r * K;
+        const A* y = yy + r * K;
+        A* dst = gx + r * K;
+        if (log_mode) {
+          const V s(at::vec::reduce_all<A>([](V& u, V& w) { return u + w; }, dy, K));
+          at::vec::map2([s](V g, V o) { return g - vexp(o) * s; }, dst, dy, y, K);
+        } else {
+          const V s(at::vec::map2_reduce_all<A>([](V g, V o) { return g * o; },
+                                                [](V u, V w) { return u + w; }, dy, y, K));
+          const V vs(scale);
+          at::vec::map2([s, vs](V g, V o) { return o * (g - s) * vs; }, dst, dy, y, K);
+        }
       }
-      if (log_mode) {
-        const V s(at::vec::reduce_all<A>([](V& u, V& w) { return u + w; }, dy, K));
-        at::vec::map2([s](V g, V o) { return g - vexp(o) * s; }, dst, dy, y, K);
-      } else {
-        const V s(at::vec::map2_reduce_all<A>([](V g, V o) { return g * o; },
-                                              [](V u, V w) { return u + w; }, dy, y, K));
-        const V vs(scale);
-        at::vec::map2([s, vs](V g, V o) { return o * (g - s) * vs; }, dst, dy, y, K);
-      }
-      if constexpr (kNeedsConvert<T>) from_acc(dst, gx + r * K, K);
     }
   });
 }

@@ -3,7 +3,7 @@
 // Inner-most dim (rows contiguous), one kernel template with three uses:
 //  * short rows (K <= 32 * elements per thread): a warp -- or a power-of-two
 //    slice of one, for tiny rows -- per row, reductions by shuffles only;
-//  * medium rows (up to 1024 threads x elements per thread, 32K elements for
+//  * medium rows (up to 512 threads x 64 registers of values: 32K elements for
 //    float32/bfloat16): a block per row, the row held in registers, so the
 //    input is read once and the output written once;
 //  * longer rows, with no cap: each row is split into chunks of a block's
@@ -43,7 +43,9 @@ using opforge::cuda::AlignedVec;
 template <typename T>
 using Acc = at::opmath_type<T>;
 
-constexpr int kMaxGroup = 1024;
+// Threads per row at most (and the launch bound): 512 threads leave 128
+// registers per thread, room for 64 values held in registers without spills.
+constexpr int kMaxGroup = 512;
 
 template <typename A>
 __device__ __forceinline__ A neg_inf() {
@@ -414,16 +416,21 @@ int64_t next_pow2(int64_t v) {
   return p;
 }
 
-// Largest elements-per-thread multiplier IT (<= 8) keeping `arrays` register
-// arrays of V opmath values within 32 registers per thread.
-template <typename T, int V>
-constexpr int max_iters(int arrays) {
-  int it = 8;
-  while (it > 1 && arrays * V * it * static_cast<int>(sizeof(Acc<T>) / 4) > 32) it /= 2;
+// Registers one element takes in `arrays` register arrays of opmath values.
+template <typename T>
+constexpr int words_per_elem(int arrays) {
+  return arrays * static_cast<int>(sizeof(Acc<T>) / 4);
+}
+
+// Largest elements-per-thread multiplier IT (<= 16) keeping the values a
+// thread holds within `budget` registers.
+constexpr int iters_within(int V, int words, int budget) {
+  int it = 16;
+  while (it > 1 && V * it * words > budget) it /= 2;
   return it;
 }
 
-// Calls f(std::integral_constant<int, IT>) for a runtime IT in {1, 2, 4, 8}
+// Calls f(std::integral_constant<int, IT>) for a runtime IT in {1, 2, 4, 8, 16}
 // (IT <= ITMAX).
 template <int ITMAX, typename F>
 void with_iters(int it, F&& f) {
@@ -431,7 +438,8 @@ void with_iters(int it, F&& f) {
     case 1: f(std::integral_constant<int, 1>{}); break;
     case 2: if constexpr (ITMAX >= 2) { f(std::integral_constant<int, 2>{}); break; } [[fallthrough]];
     case 4: if constexpr (ITMAX >= 4) { f(std::integral_constant<int, 4>{}); break; } [[fallthrough]];
-    default: if constexpr (ITMAX >= 8) { f(std::integral_constant<int, 8>{}); } else { TORCH_INTERNAL_ASSERT(false); }
+    case 8: if constexpr (ITMAX >= 8) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
+    default: if constexpr (ITMAX >= 16) { f(std::integral_constant<int, 16>{}); } else { TORCH_INTERNAL_ASSERT(false); }
   }
 }
 
@@ -444,9 +452,11 @@ struct Plan {
   int nchunks = 1;
 };
 
-Plan make_plan(int64_t K, int V, int itmax) {
+// itmax: the most values per thread in a block (64 registers' worth);
+// short rows use at most 32 registers' worth per lane (itwarp).
+Plan make_plan(int64_t K, int V, int itmax, int itwarp) {
   Plan p{};
-  if (K <= int64_t{32} * V * itmax) {
+  if (K <= int64_t{32} * V * itwarp) {
     p.it = 1;
     while (K > int64_t{32} * V * p.it) p.it *= 2;
     p.G = static_cast<int>(next_pow2((K + V * p.it - 1) / (V * p.it)));
@@ -517,8 +527,10 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x) {
   const bool vec = a.K % VW == 0 && opforge::cuda::is_aligned(a.in, 16) && opforge::cuda::is_aligned(a.out, 16);
   auto go = [&](auto vconst) {
     constexpr int V = decltype(vconst)::value;
-    constexpr int ITMAX = max_iters<T, V>(1);
-    const Plan p = make_plan(a.K, V, ITMAX);
+    // The masked mode's index and mask arithmetic needs more registers: it
+    // holds at most 32 registers of values (16K elements per block).
+    constexpr int ITMAX = iters_within(V, words_per_elem<T>(1), MODE == sm::Mode::ScaledMasked ? 32 : 64);
+    const Plan p = make_plan(a.K, V, ITMAX, iters_within(V, words_per_elem<T>(1), 32));
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       run_plan<A>(p, a.outer, a.K, sizeof(T), 2, x.options(),
@@ -554,8 +566,8 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t) {
                    opforge::cuda::is_aligned(a.grad_in, 16);
   auto go = [&](auto vconst) {
     constexpr int V = decltype(vconst)::value;
-    constexpr int ITMAX = max_iters<T, V>(2);
-    const Plan p = make_plan(a.K, V, ITMAX);
+    constexpr int ITMAX = iters_within(V, words_per_elem<T>(2), 64);
+    const Plan p = make_plan(a.K, V, ITMAX, iters_within(V, words_per_elem<T>(2), 32));
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       run_plan<A>(p, a.outer, a.K, 2 * sizeof(T), 1, t.options(),
