@@ -106,7 +106,7 @@ struct Segment {
 };
 
 // phase 0: the whole row per group (rows per block = blockDim.x / G).
-// phase 1/2: blockIdx.x = row - row0, blockIdx.y = chunk, one group per block.
+// phase 1/2: blockIdx.x = chunk, blockIdx.y = row - row0, one group per block.
 __device__ __forceinline__ Segment make_segment(int G, int phase, int64_t row0, int64_t rows, int64_t K,
                                                 int64_t chunk) {
   Segment s;
@@ -116,8 +116,8 @@ __device__ __forceinline__ Segment make_segment(int G, int phase, int64_t row0, 
     s.begin = 0;
     s.end = K;
   } else {
-    s.row = row0 + blockIdx.x;
-    s.begin = static_cast<int64_t>(blockIdx.y) * chunk;
+    s.row = row0 + blockIdx.y;
+    s.begin = static_cast<int64_t>(blockIdx.x) * chunk;
     s.end = min(K, s.begin + chunk);
   }
   s.valid = s.row < rows;
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
   if (phase == 1) {
     // This chunk's (max, sum); an all -inf chunk contributes nothing.
     if (s.lane == 0 && s.valid) {
-      A* p = partials + ((s.row - row0) * nchunks + blockIdx.y) * 2;
+      A* p = partials + ((s.row - row0) * nchunks + blockIdx.x) * 2;
       p[0] = m;
       p[1] = m == neg_inf<A>() ? A(0) : sum;
     }
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kMaxGroup) bwd_rows_kernel(sm::BwdArgs a, int 
   sum = group_reduce(sum, G, SumOp{}, smem);
 
   if (phase == 1) {
-    if (s.lane == 0 && s.valid) partials[(s.row - row0) * nchunks + blockIdx.y] = sum;
+    if (s.lane == 0 && s.valid) partials[(s.row - row0) * nchunks + blockIdx.x] = sum;
     return;
   }
   if (phase == 2) {
@@ -469,13 +469,15 @@ Plan make_plan(int64_t K, int V, int itmax, int itwarp) {
     p.block = p.G;
     p.split = false;
   } else {
-    p.it = itmax;
+    // Chunks of 32 registers' worth per thread: lighter blocks, several per
+    // SM, more of them in flight.
+    p.it = itwarp;
     p.G = kMaxGroup;
     p.block = kMaxGroup;
     p.split = true;
-    p.chunk = int64_t{kMaxGroup} * V * itmax;
-    const int64_t n = (K + p.chunk - 1) / p.chunk;
-    TORCH_CHECK(n <= 65535, "opforge softmax: rows of ", K, " elements are longer than supported on CUDA");
+    p.chunk = int64_t{kMaxGroup} * V * itwarp;
+    const int64_t n = (K + p.chunk - 1) / p.chunk;  // grid.x: up to 2^31 - 1 chunks, no practical cap
+    TORCH_CHECK(n < (int64_t{1} << 31), "opforge softmax: rows of ", K, " elements are too long");
     p.nchunks = static_cast<int>(n);
   }
   return p;
@@ -499,12 +501,13 @@ void run_plan(const Plan& p, int64_t rows, int64_t K, int64_t bytes_per_elem, in
   }
   const int64_t l2 = std::max<int64_t>(at::cuda::getCurrentDeviceProperties()->l2CacheSize, 1 << 20);
   const int64_t row_bytes = K * bytes_per_elem;
-  const int64_t batch = std::max<int64_t>(1, std::min<int64_t>(rows, (l2 / 2) / std::max<int64_t>(row_bytes, 1)));
+  const int64_t batch = std::max<int64_t>(
+      1, std::min<int64_t>({rows, int64_t{65535}, (l2 / 2) / std::max<int64_t>(row_bytes, 1)}));
   at::Tensor ws = at::empty({batch * p.nchunks * partial_width}, opts.dtype(c10::CppTypeToScalarType<A>::value));
   A* partials = ws.mutable_data_ptr<A>();
   for (int64_t r0 = 0; r0 < rows; r0 += batch) {
     const int64_t n = std::min(batch, rows - r0);
-    const dim3 grid(static_cast<unsigned>(n), static_cast<unsigned>(p.nchunks));
+    const dim3 grid(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n));
     launch(grid, p.block, 1, r0, r0 + n, partials);
     launch(grid, p.block, 2, r0, r0 + n, partials);
   }
