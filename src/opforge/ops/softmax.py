@@ -53,7 +53,7 @@ def _check_scaled_masked(op: str, x, mask, scale, causal) -> None:
     _checks.float_tensor(op, "x", x)
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least 1 dimension (..., Lk), got a 0-d tensor")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymInt, torch.SymFloat)):
         raise TypeError(f"{op}: scale must be a float, got {type(scale).__name__}")
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be a bool, got {type(causal).__name__}")
