@@ -81,6 +81,7 @@ def test_many_short_rows_and_outer_dims(name, dtype, device):
     check(name, rand((4097, 128), dtype, device), -1)
     check(name, rand((3, 2000, 7), dtype, device), 1)
     check(name, rand((300, 2, 65), dtype, device), 0)
+    check(name, rand((20, 33000), dtype, device), 0)  # many columns: a thread per column on CUDA
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -322,7 +323,10 @@ def ref_bwd(name, g, y, dim):
 
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,dim", [((7, 33), -1), ((4, 5, 6), 1), ((4, 5, 6), 0), ((6, 1), -1), ((0, 3), -1)])
+@pytest.mark.parametrize(
+    "shape,dim",
+    [((7, 33), -1), ((4, 5, 6), 1), ((4, 5, 6), 0), ((6, 1), -1), ((0, 3), -1), ((2, 130, 3), 1), ((20, 33000), 0)],
+)
 def test_backward_op_values(name, dtype, shape, dim, device):
     y = OPS[name][0](rand(shape, dtype, device), dim)
     g = rand(shape, dtype, device)

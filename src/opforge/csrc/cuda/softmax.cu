@@ -16,7 +16,8 @@
 //
 // Outer dims (inner > 1): a thread per (outer, inner) column; consecutive
 // threads read consecutive inner elements, so every pass is coalesced and no
-// transpose copy is made.
+// transpose copy is made. With too few columns to fill the GPU (fewer than
+// 32768, and K >= 16) the dim is moved last instead (one copy each way).
 //
 // Current stream, device guard, launch check after every launch, no host
 // synchronisation. Arithmetic in opmath (float for the half types).
@@ -608,13 +609,47 @@ at::Tensor run_backward(sm::PreparedBwd p) {
   return p.grad_in;
 }
 
+// Few columns over a reduced outer dim: a thread per column would leave
+// most of the GPU idle, so the dim is moved last instead (one copy in, one
+// copy out) and the row kernels run.
+bool few_columns(const sm::FwdArgs& a) { return a.inner > 1 && a.K >= 16 && a.outer * a.inner < 32768; }
+bool few_columns(const sm::BwdArgs& a) { return a.inner > 1 && a.K >= 16 && a.outer * a.inner < 32768; }
+
+template <sm::Mode MODE>
+at::Tensor softmax_family_cuda(const char* op, const at::Tensor& x, int64_t dim,
+                               std::optional<c10::ScalarType> dtype) {
+  sm::Prepared p = sm::prepare_softmax(op, MODE, x, dim, dtype);
+  if (p.out.numel() > 0 && few_columns(p.args)) {
+    const int64_t d = sm::wrap_dim(op, x, dim, "x");
+    const c10::cuda::CUDAGuard guard(p.x.device());
+    at::Tensor rows = run_forward<MODE>(sm::prepare_softmax(op, MODE, p.x.movedim(d, -1), -1, std::nullopt));
+    p.out.copy_(rows.movedim(-1, d));
+    return p.out;
+  }
+  return run_forward<MODE>(std::move(p));
+}
+
+template <sm::Mode MODE>
+at::Tensor softmax_family_backward_cuda(const char* op, const at::Tensor& grad, const at::Tensor& output,
+                                        int64_t dim) {
+  sm::PreparedBwd p = sm::prepare_backward(op, MODE, grad, output, dim, 1.0);
+  if (p.grad_in.numel() > 0 && few_columns(p.args)) {
+    const int64_t d = sm::wrap_dim(op, output, dim, "output");
+    const c10::cuda::CUDAGuard guard(p.out.device());
+    at::Tensor rows = run_backward<MODE>(
+        sm::prepare_backward(op, MODE, p.grad.movedim(d, -1), p.out.movedim(d, -1), -1, 1.0));
+    p.grad_in.copy_(rows.movedim(-1, d));
+    return p.grad_in;
+  }
+  return run_backward<MODE>(std::move(p));
+}
+
 at::Tensor softmax_cuda(const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
-  return run_forward<sm::Mode::Softmax>(sm::prepare_softmax("opforge.softmax", sm::Mode::Softmax, x, dim, dtype));
+  return softmax_family_cuda<sm::Mode::Softmax>("opforge.softmax", x, dim, dtype);
 }
 
 at::Tensor log_softmax_cuda(const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
-  return run_forward<sm::Mode::LogSoftmax>(
-      sm::prepare_softmax("opforge.log_softmax", sm::Mode::LogSoftmax, x, dim, dtype));
+  return softmax_family_cuda<sm::Mode::LogSoftmax>("opforge.log_softmax", x, dim, dtype);
 }
 
 at::Tensor scaled_masked_softmax_cuda(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale,
@@ -624,13 +659,11 @@ at::Tensor scaled_masked_softmax_cuda(const at::Tensor& x, const std::optional<a
 }
 
 at::Tensor softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
-  return run_backward<sm::Mode::Softmax>(
-      sm::prepare_backward("opforge._softmax_backward", sm::Mode::Softmax, grad, output, dim, 1.0));
+  return softmax_family_backward_cuda<sm::Mode::Softmax>("opforge._softmax_backward", grad, output, dim);
 }
 
 at::Tensor log_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
-  return run_backward<sm::Mode::LogSoftmax>(
-      sm::prepare_backward("opforge._log_softmax_backward", sm::Mode::LogSoftmax, grad, output, dim, 1.0));
+  return softmax_family_backward_cuda<sm::Mode::LogSoftmax>("opforge._log_softmax_backward", grad, output, dim);
 }
 
 at::Tensor scaled_masked_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, double scale) {
