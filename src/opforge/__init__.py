@@ -30,7 +30,21 @@ if _os.environ.get("_OPFORGE_TOOLING_ONLY") != "1":
 
     from .ops.add import add, add_relu  # noqa: E402
     from .ops.nms import batched_nms, nms, nms_padded  # noqa: E402
+    from .ops.softmax import log_softmax, scaled_masked_softmax, softmax  # noqa: E402
 
     from . import nn  # noqa: E402
 
-__all__ = ["add", "add_relu", "nms", "batched_nms", "nms_padded", "nn", "include_paths", "extension", "__version__"]
+__all__ = [
+    "add",
+    "add_relu",
+    "softmax",
+    "log_softmax",
+    "scaled_masked_softmax",
+    "nms",
+    "batched_nms",
+    "nms_padded",
+    "nn",
+    "include_paths",
+    "extension",
+    "__version__",
+]

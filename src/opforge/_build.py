@@ -34,11 +34,16 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/nms_default.cpp",
         "csrc/cpu/nms_avx2.cpp",
         "csrc/cpu/nms_avx512.cpp",
+        "csrc/cpu/softmax.cpp",
+        "csrc/cpu/softmax_default.cpp",
+        "csrc/cpu/softmax_avx2.cpp",
+        "csrc/cpu/softmax_avx512.cpp",
     ],
     cuda_sources=[
         "csrc/cuda/add.cu",
         "csrc/cuda/nms.cu",
         "csrc/cuda/conv3x3_dense_mma.cu",
+        "csrc/cuda/softmax.cu",
     ],
     include_dirs=["csrc"],
 )

@@ -35,3 +35,20 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // test or timing is known to exercise it. CUDA only.
   m.def("_conv3x3_dense_mma(Tensor x, Tensor w, Tensor? bias, int stride, int padding, bool relu) -> Tensor");
 }
+
+// ---- softmax family (ops/softmax.py) ----------------------------------------
+TORCH_LIBRARY_FRAGMENT(opforge, m) {
+  // torch.softmax / torch.log_softmax over any dim; dtype= converts x first.
+  m.def("softmax(Tensor x, int dim=-1, ScalarType? dtype=None) -> Tensor");
+  m.def("log_softmax(Tensor x, int dim=-1, ScalarType? dtype=None) -> Tensor");
+  // softmax(x * scale + mask) over the last dim; mask: bool (True = masked
+  // out) or additive float of x's dtype, broadcastable to x; causal: keys
+  // after the query (top-left aligned) are masked. Fully masked rows give 0.
+  m.def("scaled_masked_softmax(Tensor x, Tensor? mask=None, float scale=1.0, bool causal=False) -> Tensor");
+  // y * (grad - sum(grad * y)) over dim; y = softmax's output.
+  m.def("_softmax_backward(Tensor grad, Tensor output, int dim) -> Tensor");
+  // grad - exp(y) * sum(grad) over dim; y = log_softmax's output.
+  m.def("_log_softmax_backward(Tensor grad, Tensor output, int dim) -> Tensor");
+  // scale * y * (grad - sum(grad * y)) over the last dim.
+  m.def("_scaled_masked_softmax_backward(Tensor grad, Tensor output, float scale) -> Tensor");
+}

@@ -1,0 +1,4 @@
+// The softmax family's CPU loops built for DEFAULT.
+#include <opforge/cpu_isa_begin.h>
+
+#include "cpu/softmax_kernels.h"

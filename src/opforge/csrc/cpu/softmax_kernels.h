@@ -1,0 +1,460 @@
+// CPU loops of the softmax family, compiled once per ISA by
+// softmax_{default,avx2,avx512}.cpp (which include cpu_isa_begin.h first);
+// cpu/softmax.cpp checks the arguments and picks the ISA.
+//
+// Inner-most dim (inner == 1): parallel over rows; each row is read once
+// from memory (max, then exp written to the output -- or to a float scratch
+// row for the half types -- while summing, then one scaling pass over the
+// cache-resident row). Outer dims (inner > 1): parallel over (outer, block of
+// inner columns); each pass walks K with the inner columns vectorised, so no
+// transpose copy is made. Arithmetic in opmath (float for the half types),
+// results rounded once.
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/irange.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <opforge/cpu_loops.h>
+#include <opforge/dispatch.h>
+
+#include "softmax_common.h"
+
+namespace opforge::cpu::CPU_CAPABILITY {
+namespace {
+
+namespace sm = ::opforge::softmax;
+using at::vec::Vectorized;
+
+template <typename T>
+using Acc = at::opmath_type<T>;
+
+template <typename T>
+constexpr bool kNeedsConvert = !std::is_same_v<T, Acc<T>>;
+
+// n values of T -> opmath.
+template <typename T>
+inline void to_acc(const T* src, Acc<T>* dst, int64_t n) {
+  if constexpr (kNeedsConvert<T>) {
+    using IO = VecIO<T>;
+    using OVec = typename IO::OVec;
+    constexpr int64_t W = IO::kWidth;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const auto p = IO::load(src + i);
+      p.v[0].store(dst + i);
+      p.v[1].store(dst + i + OVec::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<Acc<T>>(src[i]);
+  } else {
+    std::copy(src, src + n, dst);
+  }
+}
+
+// n opmath values -> T, rounded once.
+template <typename T>
+inline void from_acc(const Acc<T>* src, T* dst, int64_t n) {
+  if constexpr (kNeedsConvert<T>) {
+    using OVec = Vectorized<float>;
+    constexpr int64_t W = Vectorized<T>::size();
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      at::vec::convert_from_float<T>(OVec::loadu(src + i), OVec::loadu(src + i + OVec::size())).store(dst + i);
+    }
+    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  } else {
+    std::copy(src, src + n, dst);
+  }
+}
+
+template <typename A>
+inline Vectorized<A> vexp(const Vectorized<A>& v) {
+  if constexpr (std::is_same_v<A, float>) {
+    // exp_u20 maps NaN to +inf; keep NaN so it propagates as in torch.
+    return Vectorized<A>::blendv(v.exp_u20(), v, v != v);
+  } else {
+    return v.exp();
+  }
+}
+
+// max that propagates NaN, as torch's reductions do.
+template <typename A>
+inline A max_nan(A a, A b) {
+  return (std::isnan(a) || a > b) ? a : b;
+}
+
+template <typename A>
+inline A row_max(const A* src, int64_t n) {
+  using V = Vectorized<A>;
+  return at::vec::reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, src, n);
+}
+
+// Half types: converts n values of src into dst (float) and returns their
+// max, in one pass.
+template <typename T>
+inline float to_acc_max(const T* src, float* dst, int64_t n) {
+  using IO = VecIO<T>;
+  using V = Vectorized<float>;
+  constexpr int64_t W = IO::kWidth;
+  V mx(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const auto p = IO::load(src + i);
+    p.v[0].store(dst + i);
+    p.v[1].store(dst + i + V::size());
+    mx = at::vec::maximum(mx, at::vec::maximum(p.v[0], p.v[1]));
+  }
+  float m = at::vec::vec_reduce_all<float>([](V& a, V& b) { return at::vec::maximum(a, b); }, mx);
+  for (; i < n; ++i) {
+    dst[i] = static_cast<float>(src[i]);
+    m = max_nan(m, dst[i]);
+  }
+  return m;
+}
+
+// Half types: dst = T(src * mul + add), rounded once, in one pass.
+template <typename T>
+inline void affine_from_acc(const float* src, T* dst, int64_t n, float mul, float add) {
+  using V = Vectorized<float>;
+  constexpr int64_t W = Vectorized<T>::size();
+  const V vm(mul), va(add);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    at::vec::convert_from_float<T>(at::vec::fmadd(V::loadu(src + i), vm, va),
+                                   at::vec::fmadd(V::loadu(src + i + V::size()), vm, va))
+        .store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul + add);
+}
+
+// dst[i] = exp(src[i] - m); returns the sum. dst may alias src.
+template <typename A>
+inline A exp_and_sum(const A* src, A* dst, int64_t n, A m) {
+  using V = Vectorized<A>;
+  constexpr int64_t W = V::size();
+  const V vm(m);
+  V acc0(0), acc1(0);
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const V e0 = vexp(V::loadu(src + i) - vm);
+    const V e1 = vexp(V::loadu(src + i + W) - vm);
+    e0.store(dst + i);
+    e1.store(dst + i + W);
+    acc0 = acc0 + e0;
+    acc1 = acc1 + e1;
+  }
+  acc0 = acc0 + acc1;
+  if (i + W <= n) {
+    const V e = vexp(V::loadu(src + i) - vm);
+    e.store(dst + i);
+    acc0 = acc0 + e;
+    i += W;
+  }
+  if (i < n) {
+    const int64_t r = n - i;
+    const V e = vexp(V::loadu(src + i, r) - vm);
+    e.store(dst + i, r);
+    acc0 = acc0 + V::set(V(0), e, r);  // lanes past the row stay 0
+  }
+  return at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, acc0);
+}
+
+// sum(exp(src - m)) without storing.
+template <typename A>
+inline A sum_exp(const A* src, int64_t n, A m) {
+  using V = Vectorized<A>;
+  constexpr int64_t W = V::size();
+  const V vm(m);
+  V acc(0);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) acc = acc + vexp(V::loadu(src + i) - vm);
+  if (i < n) {
+    const int64_t r = n - i;
+    acc = acc + V::set(V(0), vexp(V::loadu(src + i, r) - vm), r);
+  }
+  return at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, acc);
+}
+
+// ------------------------------------------------------------------ forward, inner-most dim
+
+template <typename T>
+void fwd_rows(const sm::FwdArgs& a) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  const int64_t K = a.K;
+  const int64_t rows = a.outer;
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const bool masked_mode = a.mode == sm::Mode::ScaledMasked;
+  const bool need_buf = kNeedsConvert<T> || masked_mode;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<A> scratch(need_buf ? K : 0);
+    A* buf = scratch.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* x = in + r * K;
+      T* y = out + r * K;
+      const A* src;
+      if (masked_mode) {
+        // buf = x * scale + mask, -inf where masked or above the diagonal.
+        const int64_t valid = a.causal ? std::min<int64_t>(K, r % a.Lq + 1) : K;
+        to_acc(x, buf, valid);
+        const V vs(static_cast<A>(a.scale));
+        at::vec::map([vs](V v) { return v * vs; }, buf, buf, valid);
+        if (a.mask != nullptr) {
+          const int64_t moff = a.mask_rows(r);
+          if (a.mask_is_bool) {
+            const bool* mk = static_cast<const bool*>(a.mask) + moff;
+            for (int64_t j = 0; j < valid; ++j) buf[j] = mk[j] ? -std::numeric_limits<A>::infinity() : buf[j];
+          } else {
+            const T* mk = static_cast<const T*>(a.mask) + moff;
+            if constexpr (kNeedsConvert<T>) {
+              for (int64_t j = 0; j < valid; ++j) buf[j] += static_cast<A>(mk[j]);
+            } else {
+              at::vec::map2([](V u, V w) { return u + w; }, buf, buf, mk, valid);
+            }
+          }
+        }
+        for (int64_t j = valid; j < K; ++j) buf[j] = -std::numeric_limits<A>::infinity();
+        src = buf;
+      } else if constexpr (kNeedsConvert<T>) {
+        src = buf;
+      } else {
+        src = x;
+      }
+
+      A m;
+      if constexpr (kNeedsConvert<T>) {
+        m = masked_mode ? row_max(src, K) : to_acc_max(x, buf, K);
+      } else {
+        m = row_max(src, K);
+      }
+      if (masked_mode && m == -std::numeric_limits<A>::infinity()) {
+        // Every key masked out: zeros (documented), not NaN.
+        std::fill(y, y + K, T(0));
+        continue;
+      }
+      if (a.mode == sm::Mode::LogSoftmax) {
+        const A c = m + std::log(sum_exp(src, K, m));
+        const V vc(c);
+        if constexpr (kNeedsConvert<T>) {
+          affine_from_acc(buf, y, K, 1.f, -c);
+        } else {
+          at::vec::map([vc](V v) { return v - vc; }, y, src, K);
+        }
+      } else {
+        A* dst;
+        if constexpr (kNeedsConvert<T>) {
+          dst = buf;
+        } else {
+          dst = y;
+        }
+        const A s = exp_and_sum(src, dst, K, m);
+        if constexpr (kNeedsConvert<T>) {
+          affine_from_acc(buf, y, K, A(1) / s, 0.f);
+        } else {
+          const V inv(A(1) / s);
+          at::vec::map([inv](V v) { return v * inv; }, dst, dst, K);
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ forward, outer dim
+
+constexpr int64_t kColBlock = 64;  // inner columns per task (a multiple of every vector width)
+
+template <typename T>
+void fwd_cols(const sm::FwdArgs& a) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  const int64_t K = a.K, inner = a.inner;
+  const int64_t nb = (inner + kColBlock - 1) / kColBlock;
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const bool log_mode = a.mode == sm::Mode::LogSoftmax;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 12) / std::max<int64_t>(K, 1));
+
+  at::parallel_for(0, a.outer * nb, grain, [&](int64_t t0, int64_t t1) {
+    alignas(64) A mx[kColBlock], sum[kColBlock], tmp[kColBlock];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t o = t / nb;
+      const int64_t i0 = (t % nb) * kColBlock;
+      const int64_t n = std::min(kColBlock, inner - i0);
+      const int64_t base = o * K * inner + i0;
+      std::fill(mx, mx + n, -std::numeric_limits<A>::infinity());
+      std::fill(sum, sum + n, A(0));
+      for (int64_t k = 0; k < K; ++k) {
+        to_acc(in + base + k * inner, tmp, n);
+        at::vec::map2([](V u, V w) { return at::vec::maximum(u, w); }, mx, mx, tmp, n);
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        to_acc(in + base + k * inner, tmp, n);
+        at::vec::map3([](V u, V w, V s) { return s + vexp(u - w); }, sum, tmp, mx, sum, n);
+      }
+      if (log_mode) {
+        for (int64_t j = 0; j < n; ++j) sum[j] = mx[j] + std::log(sum[j]);  // the log-sum-exp
+        for (int64_t k = 0; k < K; ++k) {
+          to_acc(in + base + k * inner, tmp, n);
+          at::vec::map2([](V u, V c) { return u - c; }, tmp, tmp, sum, n);
+          from_acc(tmp, out + base + k * inner, n);
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) sum[j] = A(1) / sum[j];
+        for (int64_t k = 0; k < K; ++k) {
+          to_acc(in + base + k * inner, tmp, n);
+          at::vec::map3([](V u, V w, V inv) { return vexp(u - w) * inv; }, tmp, tmp, mx, sum, n);
+          from_acc(tmp, out + base + k * inner, n);
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------ backward
+
+// Half types, one row: the sum in one pass over (dy, y) converted on the
+// fly, then the result in a second pass (the row is in cache by then).
+template <typename T>
+void bwd_row_reduced(const T* dy, const T* y, T* dx, int64_t K, bool log_mode, float scale) {
+  using IO = VecIO<T>;
+  using V = Vectorized<float>;
+  constexpr int64_t W = IO::kWidth;
+  V acc(0);
+  int64_t i = 0;
+  for (; i + W <= K; i += W) {
+    const auto g = IO::load(dy + i);
+    if (log_mode) {
+      acc = acc + g.v[0] + g.v[1];
+    } else {
+      const auto o = IO::load(y + i);
+      acc = at::vec::fmadd(g.v[0], o.v[0], acc);
+      acc = at::vec::fmadd(g.v[1], o.v[1], acc);
+    }
+  }
+  float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc);
+  for (int64_t j = i; j < K; ++j) s += log_mode ? static_cast<float>(dy[j]) : static_cast<float>(dy[j]) * static_cast<float>(y[j]);
+  const V vs(s), vscale(scale);
+  for (i = 0; i + W <= K; i += W) {
+    auto g = IO::load(dy + i);
+    const auto o = IO::load(y + i);
+    for (int k = 0; k < 2; ++k) {
+      g.v[k] = log_mode ? g.v[k] - vexp(o.v[k]) * vs : o.v[k] * (g.v[k] - vs) * vscale;
+    }
+    IO::store(dx + i, g);
+  }
+  for (; i < K; ++i) {
+    const float g = static_cast<float>(dy[i]), o = static_cast<float>(y[i]);
+    dx[i] = static_cast<T>(log_mode ? g - std::exp(o) * s : o * (g - s) * scale);
+  }
+}
+
+template <typename T>
+void bwd_rows(const sm::BwdArgs& a) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  const int64_t K = a.K;
+  const T* gy = static_cast<const T*>(a.grad);
+  const T* yy = static_cast<const T*>(a.out);
+  T* gx = static_cast<T*>(a.grad_in);
+  const bool log_mode = a.mode == sm::Mode::LogSoftmax;
+  const A scale = a.mode == sm::Mode::ScaledMasked ? static_cast<A>(a.scale) : A(1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+
+  at::parallel_for(0, a.outer, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if constexpr (kNeedsConvert<T>) {
+        bwd_row_reduced(gy + r * K, yy + r * K, gx + r * K, K, log_mode, scale);
+      } else {
+        const A* dy = gy + r * K;
+        const A* y = yy + r * K;
+        A* dst = gx + r * K;
+        if (log_mode) {
+          const V s(at::vec::reduce_all<A>([](V& u, V& w) { return u + w; }, dy, K));
+          at::vec::map2([s](V g, V o) { return g - vexp(o) * s; }, dst, dy, y, K);
+        } else {
+          const V s(at::vec::map2_reduce_all<A>([](V g, V o) { return g * o; },
+                                                [](V u, V w) { return u + w; }, dy, y, K));
+          const V vs(scale);
+          at::vec::map2([s, vs](V g, V o) { return o * (g - s) * vs; }, dst, dy, y, K);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void bwd_cols(const sm::BwdArgs& a) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  const int64_t K = a.K, inner = a.inner;
+  const int64_t nb = (inner + kColBlock - 1) / kColBlock;
+  const T* gy = static_cast<const T*>(a.grad);
+  const T* yy = static_cast<const T*>(a.out);
+  T* gx = static_cast<T*>(a.grad_in);
+  const bool log_mode = a.mode == sm::Mode::LogSoftmax;
+  const A scale = a.mode == sm::Mode::ScaledMasked ? static_cast<A>(a.scale) : A(1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 12) / std::max<int64_t>(K, 1));
+
+  at::parallel_for(0, a.outer * nb, grain, [&](int64_t t0, int64_t t1) {
+    alignas(64) A sum[kColBlock], g[kColBlock], o[kColBlock];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t oi = t / nb;
+      const int64_t i0 = (t % nb) * kColBlock;
+      const int64_t n = std::min(kColBlock, inner - i0);
+      const int64_t base = oi * K * inner + i0;
+      std::fill(sum, sum + n, A(0));
+      for (int64_t k = 0; k < K; ++k) {
+        to_acc(gy + base + k * inner, g, n);
+        if (log_mode) {
+          at::vec::map2([](V s, V u) { return s + u; }, sum, sum, g, n);
+        } else {
+          to_acc(yy + base + k * inner, o, n);
+          at::vec::map3([](V s, V u, V w) { return s + u * w; }, sum, sum, g, o, n);
+        }
+      }
+      const V vs(scale);
+      for (int64_t k = 0; k < K; ++k) {
+        to_acc(gy + base + k * inner, g, n);
+        to_acc(yy + base + k * inner, o, n);
+        if (log_mode) {
+          at::vec::map3([](V u, V w, V s) { return u - vexp(w) * s; }, g, g, o, sum, n);
+        } else {
+          at::vec::map3([vs](V u, V w, V s) { return w * (u - s) * vs; }, g, g, o, sum, n);
+        }
+        from_acc(g, gx + base + k * inner, n);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void softmax_forward(const sm::FwdArgs& a) {
+  OPFORGE_DISPATCH_FLOATING_TYPES(a.dtype, "opforge_softmax_forward", [&] {
+    if (a.inner == 1) {
+      fwd_rows<scalar_t>(a);
+    } else {
+      fwd_cols<scalar_t>(a);
+    }
+  });
+}
+
+void softmax_backward(const sm::BwdArgs& a) {
+  OPFORGE_DISPATCH_FLOATING_TYPES(a.dtype, "opforge_softmax_backward", [&] {
+    if (a.inner == 1) {
+      bwd_rows<scalar_t>(a);
+    } else {
+      bwd_cols<scalar_t>(a);
+    }
+  });
+}
+
+}  // namespace opforge::cpu::CPU_CAPABILITY

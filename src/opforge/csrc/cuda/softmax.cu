@@ -1,0 +1,683 @@
+// CUDA kernels of the softmax family.
+//
+// Inner-most dim (rows contiguous), one kernel template with three uses:
+//  * short rows (K <= 32 * elements per thread): a warp -- or a power-of-two
+//    slice of one, for tiny rows -- per row, reductions by shuffles only;
+//  * medium rows (up to 512 threads x 64 registers of values: 32K elements for
+//    float32/bfloat16): a block per row, the row held in registers, so the
+//    input is read once and the output written once;
+//  * longer rows, with no cap: each row is split into chunks of a block's
+//    capacity; pass 1 writes each chunk's (max, sum of exp) to a small
+//    workspace, pass 2 combines a row's partials and writes its chunk. Rows
+//    are processed in batches that fit in half the L2 cache, so pass 2's
+//    re-read of the input is served by L2.
+// Loads and stores are 16-byte vectors when K is a multiple of the vector
+// width and the pointers are aligned, scalar otherwise.
+//
+// Outer dims (inner > 1): a thread per (outer, inner) column; consecutive
+// threads read consecutive inner elements, so every pass is coalesced and no
+// transpose copy is made. With too few columns to fill the GPU (fewer than
+// 32768, and K >= 16) the dim is moved last instead (one copy each way).
+//
+// Current stream, device guard, launch check after every launch, no host
+// synchronisation. Arithmetic in opmath (float for the half types).
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <opforge/cuda_launch.cuh>
+#include <opforge/cuda_vec.cuh>
+#include <opforge/dispatch.h>
+
+#include <limits>
+
+#include "softmax_host.h"
+
+namespace {
+
+namespace sm = opforge::softmax;
+using opforge::cuda::AlignedVec;
+
+template <typename T>
+using Acc = at::opmath_type<T>;
+
+// Threads per row at most (and the launch bound): 512 threads leave 128
+// registers per thread, room for 64 values held in registers without spills.
+constexpr int kMaxGroup = 512;
+
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -std::numeric_limits<A>::infinity();
+}
+
+__device__ __forceinline__ float dev_exp(float v) { return expf(v); }
+__device__ __forceinline__ double dev_exp(double v) { return exp(v); }
+__device__ __forceinline__ float dev_log(float v) { return logf(v); }
+__device__ __forceinline__ double dev_log(double v) { return log(v); }
+
+// max that propagates NaN (as torch's reductions).
+template <typename A>
+__device__ __forceinline__ A max_nan(A a, A b) {
+  return (a > b || a != a) ? a : b;
+}
+
+struct MaxOp {
+  template <typename A>
+  __device__ __forceinline__ A operator()(A a, A b) const {
+    return max_nan(a, b);
+  }
+};
+struct SumOp {
+  template <typename A>
+  __device__ __forceinline__ A operator()(A a, A b) const {
+    return a + b;
+  }
+};
+
+// Reduction over a group of G threads (G a power of two, consecutive thread
+// ids). Every thread of the block must call it (it may synchronise the block
+// when G > 32); every thread of the group gets the result. `smem` holds 32
+// values.
+template <typename A, typename Op>
+__device__ __forceinline__ A group_reduce(A v, int G, Op op, A* smem) {
+  const int width = G < 32 ? G : 32;
+  for (int off = width / 2; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+  if (G <= 32) return v;
+  const int warp = threadIdx.x / 32;
+  __syncthreads();  // smem may still be read by a previous reduction
+  if (threadIdx.x % 32 == 0) smem[warp] = v;
+  __syncthreads();
+  const int nw = G / 32;
+  const int first = (threadIdx.x / G) * nw;
+  A r = smem[first];
+  for (int i = 1; i < nw; ++i) r = op(r, smem[first + i]);
+  return r;
+}
+
+// Where a group of threads works: row `row` (valid or not), elements
+// [begin, end) of it.
+struct Segment {
+  int64_t row;
+  bool valid;
+  int64_t begin, end;
+  int lane;  // index in the group
+};
+
+// phase 0: the whole row per group (rows per block = blockDim.x / G).
+// phase 1/2: blockIdx.x = chunk, blockIdx.y = row - row0, one group per block.
+__device__ __forceinline__ Segment make_segment(int G, int phase, int64_t row0, int64_t rows, int64_t K,
+                                                int64_t chunk) {
+  Segment s;
+  s.lane = threadIdx.x % G;
+  if (phase == 0) {
+    s.row = row0 + static_cast<int64_t>(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
+    s.begin = 0;
+    s.end = K;
+  } else {
+    s.row = row0 + blockIdx.y;
+    s.begin = static_cast<int64_t>(blockIdx.x) * chunk;
+    s.end = min(K, s.begin + chunk);
+  }
+  s.valid = s.row < rows;
+  return s;
+}
+
+// Loads element positions begin + (it * G + lane) * V + v of `p` (a row) as
+// opmath; positions >= end (or an invalid row, or `limit` and above) get `fill`.
+template <typename T, int V, int IT>
+__device__ __forceinline__ void load_row(const T* __restrict__ p, const Segment& s, int G, int64_t limit,
+                                         Acc<T> fill, Acc<T> (&vals)[IT][V]) {
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
+    if (s.valid && base < s.end && base < limit) {
+      if constexpr (V > 1) {
+        const auto vec = opforge::cuda::load_vec<T, V>(p, base / V);
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] = static_cast<Acc<T>>(vec.val[v]);
+      } else {
+        vals[it][0] = static_cast<Acc<T>>(p[base]);
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) vals[it][v] = fill;
+    }
+  }
+}
+
+template <typename T, int V, int IT>
+__device__ __forceinline__ void store_row(T* __restrict__ p, const Segment& s, int G, const Acc<T> (&vals)[IT][V]) {
+  if (!s.valid) return;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
+    if (base < s.end) {
+      if constexpr (V > 1) {
+        AlignedVec<T, V> vec;
+#pragma unroll
+        for (int v = 0; v < V; ++v) vec.val[v] = static_cast<T>(vals[it][v]);
+        opforge::cuda::store_vec<T, V>(p, base / V, vec);
+      } else {
+        p[base] = static_cast<T>(vals[it][0]);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ forward, inner-most dim
+
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int G, int phase, int64_t row0,
+                                                             int64_t rows, int64_t chunk, Acc<T>* partials,
+                                                             int nchunks) {
+  using A = Acc<T>;
+  __shared__ A smem[32];
+  const int64_t K = a.K;
+  const Segment s = make_segment(G, phase, row0, rows, K, chunk);
+  const T* x = static_cast<const T*>(a.in) + s.row * K;
+  T* y = static_cast<T*>(a.out) + s.row * K;
+
+  A vals[IT][V];
+  int64_t limit = K;
+  if constexpr (MODE == sm::Mode::ScaledMasked) {
+    // Causal: keys after the query are never read.
+    if (a.causal) limit = s.row % a.Lq + 1;
+  }
+  load_row<T, V, IT>(x, s, G, limit, neg_inf<A>(), vals);
+
+  if constexpr (MODE == sm::Mode::ScaledMasked) {
+    const int64_t moff = a.mask != nullptr && s.valid ? a.mask_rows(s.row) : 0;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int64_t j = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V + v;
+        if (!s.valid || j >= s.end || j >= limit) {
+          vals[it][v] = neg_inf<A>();  // past the row, or a key after the query
+          continue;
+        }
+        A t = vals[it][v] * static_cast<A>(a.scale);
+        if (a.mask != nullptr) {
+          if (a.mask_is_bool) {
+            if (static_cast<const bool*>(a.mask)[moff + j]) t = neg_inf<A>();
+          } else {
+            t += static_cast<A>(static_cast<const T*>(a.mask)[moff + j]);
+          }
+        }
+        vals[it][v] = t;
+      }
+    }
+  }
+
+  // max over the segment
+  A m = neg_inf<A>();
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int v = 0; v < V; ++v) m = max_nan(m, vals[it][v]);
+  m = group_reduce(m, G, MaxOp{}, smem);
+
+  // sum of exp over the segment's elements (positions past the end skipped)
+  A sum = 0;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      if (base + v < s.end) {
+        const A e = dev_exp(vals[it][v] - m);
+        sum += e;
+        if constexpr (MODE != sm::Mode::LogSoftmax) vals[it][v] = e;
+      }
+    }
+  }
+  sum = group_reduce(sum, G, SumOp{}, smem);
+
+  if (phase == 1) {
+    // This chunk's (max, sum); an all -inf chunk contributes nothing.
+    if (s.lane == 0 && s.valid) {
+      A* p = partials + ((s.row - row0) * nchunks + blockIdx.x) * 2;
+      p[0] = m;
+      p[1] = m == neg_inf<A>() ? A(0) : sum;
+    }
+    return;
+  }
+  if (phase == 2) {
+    // Combine the row's partials: M = max m_i, S = sum s_i * exp(m_i - M).
+    const A* p = partials + (s.row - row0) * nchunks * 2;
+    A gm = neg_inf<A>();
+    for (int i = s.lane; i < nchunks; i += G) gm = max_nan(gm, s.valid ? p[2 * i] : neg_inf<A>());
+    gm = group_reduce(gm, G, MaxOp{}, smem);
+    A gs = 0;
+    for (int i = s.lane; i < nchunks; i += G) {
+      if (s.valid && p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
+    }
+    gs = group_reduce(gs, G, SumOp{}, smem);
+    // Rescale this chunk's values from its own max to the row's.
+    // (An all -inf chunk holds exp(-inf - -inf) = NaN: its values are 0
+    // unless the whole row is -inf, where torch's NaN is right.)
+    if constexpr (MODE != sm::Mode::LogSoftmax) {
+      const bool empty_chunk = m == neg_inf<A>() && gm != neg_inf<A>();
+      const A r = empty_chunk ? A(0) : dev_exp(m - gm);
+#pragma unroll
+      for (int it = 0; it < IT; ++it)
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] = empty_chunk ? A(0) : vals[it][v] * r;
+    }
+    m = gm;
+    sum = gs;
+  }
+
+  if constexpr (MODE == sm::Mode::ScaledMasked) {
+    if (m == neg_inf<A>()) {
+      // Every key masked out: zeros (documented), not NaN.
+#pragma unroll
+      for (int it = 0; it < IT; ++it)
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] = A(0);
+      store_row<T, V, IT>(y, s, G, vals);
+      return;
+    }
+  }
+  if constexpr (MODE == sm::Mode::LogSoftmax) {
+    const A c = m + dev_log(sum);
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+#pragma unroll
+      for (int v = 0; v < V; ++v) vals[it][v] -= c;
+  } else {
+    const A inv = A(1) / sum;
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+#pragma unroll
+      for (int v = 0; v < V; ++v) vals[it][v] *= inv;
+  }
+  store_row<T, V, IT>(y, s, G, vals);
+}
+
+// ------------------------------------------------------------------ backward, inner-most dim
+
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup) bwd_rows_kernel(sm::BwdArgs a, int G, int phase, int64_t row0,
+                                                             int64_t rows, int64_t chunk, Acc<T>* partials,
+                                                             int nchunks) {
+  using A = Acc<T>;
+  __shared__ A smem[32];
+  const int64_t K = a.K;
+  const Segment s = make_segment(G, phase, row0, rows, K, chunk);
+  const int64_t off = s.row * K;
+
+  A g[IT][V], o[IT][V];
+  load_row<T, V, IT>(static_cast<const T*>(a.grad) + off, s, G, K, A(0), g);
+  load_row<T, V, IT>(static_cast<const T*>(a.out) + off, s, G, K, A(0), o);
+
+  A sum = 0;
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      if constexpr (MODE == sm::Mode::LogSoftmax) {
+        sum += g[it][v];
+      } else {
+        sum += g[it][v] * o[it][v];
+      }
+    }
+  sum = group_reduce(sum, G, SumOp{}, smem);
+
+  if (phase == 1) {
+    if (s.lane == 0 && s.valid) partials[(s.row - row0) * nchunks + blockIdx.x] = sum;
+    return;
+  }
+  if (phase == 2) {
+    const A* p = partials + (s.row - row0) * nchunks;
+    A t = 0;
+    for (int i = s.lane; i < nchunks; i += G) t += s.valid ? p[i] : A(0);
+    sum = group_reduce(t, G, SumOp{}, smem);
+  }
+
+  const A scale = MODE == sm::Mode::ScaledMasked ? static_cast<A>(a.scale) : A(1);
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      if constexpr (MODE == sm::Mode::LogSoftmax) {
+        g[it][v] = g[it][v] - dev_exp(o[it][v]) * sum;
+      } else {
+        g[it][v] = o[it][v] * (g[it][v] - sum) * scale;
+      }
+    }
+  store_row<T, V, IT>(static_cast<T*>(a.grad_in) + off, s, G, g);
+}
+
+// ------------------------------------------------------------------ outer dims (inner > 1)
+
+template <typename T, sm::Mode MODE>
+__global__ void fwd_cols_kernel(sm::FwdArgs a) {
+  using A = Acc<T>;
+  const int64_t K = a.K, inner = a.inner, cols = a.outer * a.inner;
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  for (int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; col < cols;
+       col += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t base = (col / inner) * K * inner + col % inner;
+    A m = neg_inf<A>();
+    for (int64_t k = 0; k < K; ++k) m = max_nan(m, static_cast<A>(in[base + k * inner]));
+    A sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += dev_exp(static_cast<A>(in[base + k * inner]) - m);
+    if constexpr (MODE == sm::Mode::LogSoftmax) {
+      const A c = m + dev_log(sum);
+      for (int64_t k = 0; k < K; ++k) out[base + k * inner] = static_cast<T>(static_cast<A>(in[base + k * inner]) - c);
+    } else {
+      const A inv = A(1) / sum;
+      for (int64_t k = 0; k < K; ++k)
+        out[base + k * inner] = static_cast<T>(dev_exp(static_cast<A>(in[base + k * inner]) - m) * inv);
+    }
+  }
+}
+
+template <typename T, sm::Mode MODE>
+__global__ void bwd_cols_kernel(sm::BwdArgs a) {
+  using A = Acc<T>;
+  const int64_t K = a.K, inner = a.inner, cols = a.outer * a.inner;
+  const T* gy = static_cast<const T*>(a.grad);
+  const T* yy = static_cast<const T*>(a.out);
+  T* gx = static_cast<T*>(a.grad_in);
+  for (int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; col < cols;
+       col += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t base = (col / inner) * K * inner + col % inner;
+    A sum = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = base + k * inner;
+      if constexpr (MODE == sm::Mode::LogSoftmax) {
+        sum += static_cast<A>(gy[i]);
+      } else {
+        sum += static_cast<A>(gy[i]) * static_cast<A>(yy[i]);
+      }
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t i = base + k * inner;
+      const A g = static_cast<A>(gy[i]), o = static_cast<A>(yy[i]);
+      if constexpr (MODE == sm::Mode::LogSoftmax) {
+        gx[i] = static_cast<T>(g - dev_exp(o) * sum);
+      } else {
+        gx[i] = static_cast<T>(o * (g - sum));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ launch
+
+int64_t next_pow2(int64_t v) {
+  int64_t p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// Registers one element takes in `arrays` register arrays of opmath values.
+template <typename T>
+constexpr int words_per_elem(int arrays) {
+  return arrays * static_cast<int>(sizeof(Acc<T>) / 4);
+}
+
+// Largest elements-per-thread multiplier IT (<= 16) keeping the values a
+// thread holds within `budget` registers.
+constexpr int iters_within(int V, int words, int budget) {
+  int it = 16;
+  while (it > 1 && V * it * words > budget) it /= 2;
+  return it;
+}
+
+// Calls f(std::integral_constant<int, IT>) for a runtime IT in {1, 2, 4, 8, 16}
+// (IT <= ITMAX).
+template <int ITMAX, typename F>
+void with_iters(int it, F&& f) {
+  switch (it) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (ITMAX >= 2) { f(std::integral_constant<int, 2>{}); break; } [[fallthrough]];
+    case 4: if constexpr (ITMAX >= 4) { f(std::integral_constant<int, 4>{}); break; } [[fallthrough]];
+    case 8: if constexpr (ITMAX >= 8) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
+    default: if constexpr (ITMAX >= 16) { f(std::integral_constant<int, 16>{}); } else { TORCH_INTERNAL_ASSERT(false); }
+  }
+}
+
+struct Plan {
+  int it;            // elements per thread = V * it
+  int G;             // threads per row (or per chunk)
+  int block;         // threads per block
+  bool split;        // long rows: two passes over chunks
+  int64_t chunk = 0; // elements per chunk when split
+  int nchunks = 1;
+};
+
+// itmax: the most values per thread in a block (64 registers' worth);
+// short rows use at most 32 registers' worth per lane (itwarp).
+Plan make_plan(int64_t K, int V, int itmax, int itwarp) {
+  Plan p{};
+  if (K <= int64_t{32} * V * itwarp) {
+    p.it = 1;
+    while (K > int64_t{32} * V * p.it) p.it *= 2;
+    p.G = static_cast<int>(next_pow2((K + V * p.it - 1) / (V * p.it)));
+    p.block = 128;
+    p.split = false;
+  } else if (K <= int64_t{kMaxGroup} * V * itmax) {
+    p.it = 1;
+    while (p.it < itmax && (K + V * p.it - 1) / (V * p.it) > 256) p.it *= 2;
+    p.G = static_cast<int>(next_pow2((K + V * p.it - 1) / (V * p.it)));
+    p.block = p.G;
+    p.split = false;
+  } else {
+    // Chunks of 32 registers' worth per thread: lighter blocks, several per
+    // SM, more of them in flight.
+    p.it = itwarp;
+    p.G = kMaxGroup;
+    p.block = kMaxGroup;
+    p.split = true;
+    p.chunk = int64_t{kMaxGroup} * V * itwarp;
+    const int64_t n = (K + p.chunk - 1) / p.chunk;  // grid.x: up to 2^31 - 1 chunks, no practical cap
+    TORCH_CHECK(n < (int64_t{1} << 31), "opforge softmax: rows of ", K, " elements are too long");
+    p.nchunks = static_cast<int>(n);
+  }
+  return p;
+}
+
+// Runs kernel(args, G, phase, row0, rows, chunk, partials, nchunks) over all
+// rows per the plan: one launch per batch of rows for phase 0; two per batch
+// for split rows, batches sized to half the L2 cache.
+template <typename A, typename Launch>
+void run_plan(const Plan& p, int64_t rows, int64_t K, int64_t bytes_per_elem, int partial_width,
+              const c10::TensorOptions& opts, Launch&& launch) {
+  if (!p.split) {
+    const int64_t rows_per_block = p.block / p.G;
+    const int64_t max_rows = int64_t{1 << 30} * rows_per_block;
+    for (int64_t r0 = 0; r0 < rows; r0 += max_rows) {
+      const int64_t n = std::min(rows - r0, max_rows);
+      const dim3 grid(static_cast<unsigned>((n + rows_per_block - 1) / rows_per_block));
+      launch(grid, p.block, 0, r0, std::min(rows, r0 + n), static_cast<A*>(nullptr));
+    }
+    return;
+  }
+  const int64_t l2 = std::max<int64_t>(at::cuda::getCurrentDeviceProperties()->l2CacheSize, 1 << 20);
+  const int64_t row_bytes = K * bytes_per_elem;
+  const int64_t batch = std::max<int64_t>(
+      1, std::min<int64_t>({rows, int64_t{65535}, (l2 / 2) / std::max<int64_t>(row_bytes, 1)}));
+  at::Tensor ws = at::empty({batch * p.nchunks * partial_width}, opts.dtype(c10::CppTypeToScalarType<A>::value));
+  A* partials = ws.mutable_data_ptr<A>();
+  for (int64_t r0 = 0; r0 < rows; r0 += batch) {
+    const int64_t n = std::min(batch, rows - r0);
+    const dim3 grid(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n));
+    launch(grid, p.block, 1, r0, r0 + n, partials);
+    launch(grid, p.block, 2, r0, r0 + n, partials);
+  }
+}
+
+template <typename T, sm::Mode MODE>
+void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x) {
+  using A = Acc<T>;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (a.inner > 1) {
+    if constexpr (MODE != sm::Mode::ScaledMasked) {
+      const int threads = 256;
+      const auto blocks = opforge::cuda::grid_for(a.outer * a.inner, threads);
+      fwd_cols_kernel<T, MODE><<<blocks, threads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return;
+  }
+  constexpr int VW = opforge::cuda::vec_width<T>();
+  const bool vec = a.K % VW == 0 && opforge::cuda::is_aligned(a.in, 16) && opforge::cuda::is_aligned(a.out, 16);
+  auto go = [&](auto vconst) {
+    constexpr int V = decltype(vconst)::value;
+    // The masked mode's index and mask arithmetic needs more registers: it
+    // holds at most 32 registers of values (16K elements per block).
+    constexpr int ITMAX = iters_within(V, words_per_elem<T>(1), MODE == sm::Mode::ScaledMasked ? 32 : 64);
+    const Plan p = make_plan(a.K, V, ITMAX, iters_within(V, words_per_elem<T>(1), 32));
+    with_iters<ITMAX>(p.it, [&](auto itconst) {
+      constexpr int IT = decltype(itconst)::value;
+      run_plan<A>(p, a.outer, a.K, sizeof(T), 2, x.options(),
+                  [&](dim3 grid, int block, int phase, int64_t r0, int64_t r1, A* partials) {
+                    fwd_rows_kernel<T, V, IT, MODE><<<grid, block, 0, stream>>>(a, p.G, phase, r0, r1, p.chunk,
+                                                                                partials, p.nchunks);
+                    C10_CUDA_KERNEL_LAUNCH_CHECK();
+                  });
+    });
+  };
+  if (vec) {
+    go(std::integral_constant<int, VW>{});
+  } else {
+    go(std::integral_constant<int, 1>{});
+  }
+}
+
+template <typename T, sm::Mode MODE>
+void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t) {
+  using A = Acc<T>;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (a.inner > 1) {
+    if constexpr (MODE != sm::Mode::ScaledMasked) {
+      const int threads = 256;
+      const auto blocks = opforge::cuda::grid_for(a.outer * a.inner, threads);
+      bwd_cols_kernel<T, MODE><<<blocks, threads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return;
+  }
+  constexpr int VW = opforge::cuda::vec_width<T>();
+  const bool vec = a.K % VW == 0 && opforge::cuda::is_aligned(a.grad, 16) && opforge::cuda::is_aligned(a.out, 16) &&
+                   opforge::cuda::is_aligned(a.grad_in, 16);
+  auto go = [&](auto vconst) {
+    constexpr int V = decltype(vconst)::value;
+    constexpr int ITMAX = iters_within(V, words_per_elem<T>(2), 64);
+    const Plan p = make_plan(a.K, V, ITMAX, iters_within(V, words_per_elem<T>(2), 32));
+    with_iters<ITMAX>(p.it, [&](auto itconst) {
+      constexpr int IT = decltype(itconst)::value;
+      run_plan<A>(p, a.outer, a.K, 2 * sizeof(T), 1, t.options(),
+                  [&](dim3 grid, int block, int phase, int64_t r0, int64_t r1, A* partials) {
+                    bwd_rows_kernel<T, V, IT, MODE><<<grid, block, 0, stream>>>(a, p.G, phase, r0, r1, p.chunk,
+                                                                                partials, p.nchunks);
+                    C10_CUDA_KERNEL_LAUNCH_CHECK();
+                  });
+    });
+  };
+  if (vec) {
+    go(std::integral_constant<int, VW>{});
+  } else {
+    go(std::integral_constant<int, 1>{});
+  }
+}
+
+template <sm::Mode MODE>
+at::Tensor run_forward(sm::Prepared p) {
+  if (p.out.numel() == 0) return p.out;
+  const c10::cuda::CUDAGuard guard(p.x.device());
+  OPFORGE_DISPATCH_FLOATING_TYPES(p.args.dtype, "opforge_softmax_cuda", [&] {
+    forward_cuda_impl<scalar_t, MODE>(p.args, p.x);
+  });
+  return p.out;
+}
+
+template <sm::Mode MODE>
+at::Tensor run_backward(sm::PreparedBwd p) {
+  if (p.grad_in.numel() == 0) return p.grad_in;
+  const c10::cuda::CUDAGuard guard(p.out.device());
+  OPFORGE_DISPATCH_FLOATING_TYPES(p.args.dtype, "opforge_softmax_backward_cuda", [&] {
+    backward_cuda_impl<scalar_t, MODE>(p.args, p.out);
+  });
+  return p.grad_in;
+}
+
+// Few columns over a reduced outer dim: a thread per column would leave
+// most of the GPU idle, so the dim is moved last instead (one copy in, one
+// copy out) and the row kernels run.
+bool few_columns(const sm::FwdArgs& a) { return a.inner > 1 && a.K >= 16 && a.outer * a.inner < 32768; }
+bool few_columns(const sm::BwdArgs& a) { return a.inner > 1 && a.K >= 16 && a.outer * a.inner < 32768; }
+
+template <sm::Mode MODE>
+at::Tensor softmax_family_cuda(const char* op, const at::Tensor& x, int64_t dim,
+                               std::optional<c10::ScalarType> dtype) {
+  sm::Prepared p = sm::prepare_softmax(op, MODE, x, dim, dtype);
+  if (p.out.numel() > 0 && few_columns(p.args)) {
+    const int64_t d = sm::wrap_dim(op, x, dim, "x");
+    const c10::cuda::CUDAGuard guard(p.x.device());
+    at::Tensor rows = run_forward<MODE>(sm::prepare_softmax(op, MODE, p.x.movedim(d, -1), -1, std::nullopt));
+    p.out.copy_(rows.movedim(-1, d));
+    return p.out;
+  }
+  return run_forward<MODE>(std::move(p));
+}
+
+template <sm::Mode MODE>
+at::Tensor softmax_family_backward_cuda(const char* op, const at::Tensor& grad, const at::Tensor& output,
+                                        int64_t dim) {
+  sm::PreparedBwd p = sm::prepare_backward(op, MODE, grad, output, dim, 1.0);
+  if (p.grad_in.numel() > 0 && few_columns(p.args)) {
+    const int64_t d = sm::wrap_dim(op, output, dim, "output");
+    const c10::cuda::CUDAGuard guard(p.out.device());
+    at::Tensor rows = run_backward<MODE>(
+        sm::prepare_backward(op, MODE, p.grad.movedim(d, -1), p.out.movedim(d, -1), -1, 1.0));
+    p.grad_in.copy_(rows.movedim(-1, d));
+    return p.grad_in;
+  }
+  return run_backward<MODE>(std::move(p));
+}
+
+at::Tensor softmax_cuda(const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
+  return softmax_family_cuda<sm::Mode::Softmax>("opforge.softmax", x, dim, dtype);
+}
+
+at::Tensor log_softmax_cuda(const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
+  return softmax_family_cuda<sm::Mode::LogSoftmax>("opforge.log_softmax", x, dim, dtype);
+}
+
+at::Tensor scaled_masked_softmax_cuda(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale,
+                                      bool causal) {
+  return run_forward<sm::Mode::ScaledMasked>(
+      sm::prepare_scaled_masked("opforge.scaled_masked_softmax", x, mask, scale, causal));
+}
+
+at::Tensor softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
+  return softmax_family_backward_cuda<sm::Mode::Softmax>("opforge._softmax_backward", grad, output, dim);
+}
+
+at::Tensor log_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
+  return softmax_family_backward_cuda<sm::Mode::LogSoftmax>("opforge._log_softmax_backward", grad, output, dim);
+}
+
+at::Tensor scaled_masked_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, double scale) {
+  return run_backward<sm::Mode::ScaledMasked>(sm::prepare_backward(
+      "opforge._scaled_masked_softmax_backward", sm::Mode::ScaledMasked, grad, output, -1, scale));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
+  m.impl("softmax", &softmax_cuda);
+  m.impl("log_softmax", &log_softmax_cuda);
+  m.impl("scaled_masked_softmax", &scaled_masked_softmax_cuda);
+  m.impl("_softmax_backward", &softmax_backward_cuda);
+  m.impl("_log_softmax_backward", &log_softmax_backward_cuda);
+  m.impl("_scaled_masked_softmax_backward", &scaled_masked_softmax_backward_cuda);
+}

@@ -1,0 +1,555 @@
+"""opforge.softmax / log_softmax / scaled_masked_softmax and their fused backward ops."""
+
+import pytest
+import torch
+
+import opforge
+from reference import DTYPES, TOLERANCES, assert_close, poisoned, rand
+
+INF = float("inf")
+NAN = float("nan")
+
+OPS = {
+    "softmax": (opforge.softmax, torch.softmax),
+    "log_softmax": (opforge.log_softmax, torch.log_softmax),
+}
+BWD_OPS = {"softmax": torch.ops.opforge._softmax_backward, "log_softmax": torch.ops.opforge._log_softmax_backward}
+
+# (shape, dim): inner-most, middle, first, negative dims, length-1 rows, 0-d, empty.
+SHAPES = [
+    ((7, 33), -1),
+    ((4, 5, 6), 1),
+    ((4, 5, 6), 0),
+    ((4, 5, 6), -2),
+    ((3, 8, 17), 2),
+    ((6, 1), -1),
+    ((1, 6), 0),
+    ((), 0),
+    ((), -1),
+    ((5,), 0),
+    ((0, 4), -1),
+    ((4, 0), -1),
+    ((2, 0, 3), 1),
+    ((2, 130, 3), 1),
+]
+# Row lengths that cross every CUDA path boundary (sub-warp, warp, block,
+# split into chunks), with and without a multiple of the vector width.
+ROW_LENGTHS = [1, 2, 3, 8, 31, 32, 33, 127, 128, 255, 1000, 1024, 1031, 2048, 4104, 8192, 16384, 32768, 32776, 70001, 100000]
+
+
+def ref(name, x, dim, dtype=None):
+    out_dtype = dtype or x.dtype
+    return OPS[name][1](x.to(out_dtype).double().cpu(), dim).to(out_dtype)
+
+
+def check(name, x, dim, dtype=None, equal_nan=False):
+    with poisoned(x.device):
+        out = OPS[name][0](x, dim, dtype)
+    expected = ref(name, x, dim, dtype)
+    assert out.device == x.device and out.is_contiguous()
+    # log_softmax's absolute error grows with the row: log(sum of K exps)
+    # accumulated in float32 (torch's own float32 kernels show the same).
+    K = x.shape[dim] if x.dim() else 1
+    scale = max(1.0, K / 5000) if name == "log_softmax" else 1.0
+    assert_close(out.cpu(), expected, equal_nan=equal_nan, scale=scale)
+    return out
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim", SHAPES)
+def test_values(name, dtype, shape, dim, device):
+    check(name, rand(shape, dtype, device, scale=3.0), dim)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", ROW_LENGTHS)
+def test_row_lengths(name, dtype, K, device):
+    check(name, rand((3, K), dtype, device, scale=4.0), -1)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_very_long_row(name, dtype, device):
+    check(name, rand((1, 300000), dtype, device, scale=5.0), -1)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_many_short_rows_and_outer_dims(name, dtype, device):
+    check(name, rand((4097, 128), dtype, device), -1)
+    check(name, rand((3, 2000, 7), dtype, device), 1)
+    check(name, rand((300, 2, 65), dtype, device), 0)
+    check(name, rand((20, 33000), dtype, device), 0)  # many columns: a thread per column on CUDA
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous(name, dtype, device):
+    base = rand((64, 48), dtype, device, scale=2.0)
+    check(name, base.t(), -1)  # transposed
+    check(name, base.t(), 0)
+    check(name, base[::2, 1::3], -1)  # sliced
+    check(name, base[:, 1:], -1)  # misaligned start
+    check(name, rand((1, 48), dtype, device).expand(64, 48), -1)  # zero stride
+    check(name, rand((6, 5, 4), dtype, device).permute(2, 0, 1), 1)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dtype_argument(name, dtype, device):
+    x = rand((5, 37), torch.float16, device)
+    out = check(name, x, -1, dtype=dtype)
+    assert out.dtype == dtype
+    # dtype= on the backward: the input's gradient keeps the input's dtype.
+    x = x.requires_grad_()
+    OPS[name][0](x, -1, torch.float32).sum().backward()
+    assert x.grad.dtype == torch.float16
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [5, 40, 3000, 100000])
+def test_inf_and_nan_as_torch(name, dtype, K, device):
+    x = rand((7, K), dtype, device)
+    x[0] = -INF  # all -inf: NaN, as torch
+    x[1, : K // 2 + 1] = -INF  # the first half (first chunks) -inf
+    x[2, K // 3] = NAN  # NaN propagates to the row
+    x[3, K - 1] = INF  # +inf: NaN, as torch
+    x[4, ::2] = -INF  # scattered -inf
+    x[5, 0] = 1000.0  # one dominant value
+    check(name, x, -1, equal_nan=True)
+    check(name, x.t().contiguous(), 0, equal_nan=True)
+
+
+# --------------------------------------------------------------------------- scaled_masked_softmax
+
+
+def ref_smsm(x, mask=None, scale=1.0, causal=False):
+    s = x.double().cpu() * scale
+    if mask is not None:
+        m = mask.cpu()
+        s = s.masked_fill(m, -INF) if m.dtype == torch.bool else s + m.double()
+    if causal:
+        lq, lk = s.shape[-2] if s.dim() >= 2 else 1, s.shape[-1]
+        above = torch.ones(lq, lk, dtype=torch.bool).triu(1)
+        s = s.masked_fill(above, -INF)
+    y = torch.softmax(s, -1)
+    dead = (s == -INF).all(-1, keepdim=True)
+    return torch.where(dead, torch.zeros_like(y), y).to(x.dtype)
+
+
+def check_smsm(x, mask=None, scale=1.0, causal=False, equal_nan=False):
+    with poisoned(x.device):
+        out = opforge.scaled_masked_softmax(x, mask, scale, causal)
+    assert_close(out.cpu(), ref_smsm(x, mask, scale, causal), equal_nan=equal_nan)
+    return out
+
+
+def make_mask(kind, shape, dtype, device):
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return torch.rand(shape, device=device) < 0.3
+    return rand(shape, dtype, device)  # additive
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["none", "bool", "float"])
+@pytest.mark.parametrize(
+    "xs,ms",
+    [
+        ((2, 3, 5, 7), (2, 3, 5, 7)),  # full mask
+        ((2, 3, 5, 7), (1, 3, 1, 7)),  # broadcast over batch and queries
+        ((2, 3, 5, 7), (5, 7)),  # broadcast over batch and heads
+        ((2, 3, 5, 7), (2, 1, 1, 7)),  # key padding mask
+        ((2, 3, 5, 7), (7,)),
+        ((4, 33, 1000), (4, 1, 1000)),
+        ((2, 4, 4104), (4, 4104)),
+        ((2, 40000), (1, 40000)),  # split rows on CUDA
+    ],
+)
+def test_scaled_masked_values(dtype, kind, xs, ms, device):
+    x = rand(xs, dtype, device, scale=3.0)
+    check_smsm(x, make_mask(kind, ms, dtype, device), scale=0.37)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lq,lk", [(6, 6), (4, 9), (9, 4), (1, 5), (5, 1), (64, 1031), (40, 2048), (3, 70000)])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_causal(dtype, lq, lk, with_mask, device):
+    x = rand((2, lq, lk), dtype, device, scale=2.0)
+    mask = (torch.rand((lq, lk), device=device) < 0.2) if with_mask else None
+    out = check_smsm(x, mask, scale=1.5, causal=True)
+    # Top-left alignment: query i sees keys 0..i.
+    above = torch.ones(lq, lk, dtype=torch.bool, device=device).triu(1)
+    assert (out[:, above] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lk", [7, 1000, 8192, 40000])
+def test_fully_masked_rows_are_zero(dtype, lk, device):
+    x = rand((3, 4, lk), dtype, device)
+    mask = torch.zeros((3, 4, lk), dtype=torch.bool, device=device)
+    mask[0] = True  # every row of batch 0 masked
+    mask[1, 2] = True
+    mask[2, :, : lk // 2 + 1] = True
+    out = check_smsm(x, mask, scale=0.5)
+    assert (out[0] == 0).all() and (out[1, 2] == 0).all()
+    # -inf scores and an additive -inf mask count as masked too.
+    x[2, 1] = -INF
+    fmask = torch.zeros((lk,), dtype=dtype, device=device)
+    fmask[: lk // 3] = -INF
+    out = check_smsm(x, fmask, scale=2.0)
+    assert (out[2, 1] == 0).all()
+    # Gradient of a fully masked row is zero.
+    xg = x.detach().clone().requires_grad_()
+    opforge.scaled_masked_softmax(xg, mask).backward(rand(x.shape, dtype, device))
+    assert (xg.grad[0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_masked_nan_propagates_and_strides(dtype, device):
+    x = rand((3, 6, 50), dtype, device)
+    x[1, 2, 7] = NAN
+    check_smsm(x, None, 0.5, equal_nan=True)
+    base = rand((8, 50, 6), dtype, device)
+    mask = torch.rand((50, 6), device=device) < 0.3
+    check_smsm(base.transpose(1, 2), mask.t(), 1.25)  # non-contiguous x and mask
+    check_smsm(base[:, 1:, 1:], None, 1.0, causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scaled_masked_softmax_matches_torch_composition(dtype, device):
+    x = rand((2, 3, 16, 16), dtype, device)
+    mask = torch.rand((16, 16), device=device) < 0.25
+    mask.fill_diagonal_(False)
+    additive = torch.zeros((16, 16), dtype=dtype, device=device).masked_fill(mask, -INF)
+    expected = torch.softmax(x * 0.125 + additive, -1)
+    torch.testing.assert_close(opforge.scaled_masked_softmax(x, mask, 0.125), expected)
+    torch.testing.assert_close(opforge.scaled_masked_softmax(x, additive, 0.125), expected)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_bad_inputs_raise_clear_errors(name):
+    fn = OPS[name][0]
+    op = f"opforge.{name}"
+    raw = getattr(torch.ops.opforge, name)
+    with pytest.raises(TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"):
+        fn(torch.arange(3))
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):
+        fn([1.0, 2.0])
+    with pytest.raises(IndexError, match=rf"{op}: dim must be in \[-2, 1\] for a 2-d x, got 2"):
+        fn(torch.randn(2, 3), 2)
+    with pytest.raises(IndexError, match=r"dim must be in \[-1, 0\] for a 0-d x, got -2"):
+        fn(torch.randn(()), -2)
+    with pytest.raises(TypeError, match=r"dtype must be float32, float64, float16, bfloat16 or None, got torch.int32"):
+        fn(torch.randn(3), 0, torch.int32)
+    # The C++ kernel checks the same things when the wrapper is skipped.
+    with pytest.raises(TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got Long"):
+        raw(torch.arange(3))
+    with pytest.raises(IndexError, match=rf"{op}: dim must be in \[-2, 1\] for a 2-d x, got -3"):
+        raw(torch.randn(2, 3), -3)
+    with pytest.raises(TypeError, match=r"dtype must be float32, float64, float16, bfloat16 or None, got Int"):
+        raw(torch.randn(3), 0, torch.int32)
+
+
+def test_scaled_masked_bad_inputs():
+    f = opforge.scaled_masked_softmax
+    raw = torch.ops.opforge.scaled_masked_softmax
+    op = "opforge.scaled_masked_softmax"
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(TypeError, match=rf"{op}: x must be a float32.* got torch.int32"):
+        f(torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"x must have at least 1 dimension \(\.\.\., Lk\), got a 0-d tensor"):
+        f(torch.randn(()))
+    with pytest.raises(ValueError, match=r"mask with shape \[3, 5\] is not broadcastable to x with shape \[2, 3, 4\]"):
+        f(x, torch.zeros(3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"mask with shape \[1, 2, 3, 4\] is not broadcastable"):
+        f(x, torch.zeros(1, 2, 3, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"mask must be a bool tensor \(True = masked out\) or an additive float mask of x's dtype \(torch.float32\), got torch.float64"):
+        f(x, torch.zeros(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"mask must be a bool tensor .* got torch.int64"):
+        f(x, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"mask must be a torch.Tensor, got list"):
+        f(x, [True])
+    with pytest.raises(TypeError, match=r"scale must be a float, got str"):
+        f(x, None, "1")
+    with pytest.raises(TypeError, match=r"causal must be a bool, got int"):
+        f(x, None, 1.0, 1)
+    # C++ checks, wrapper skipped.
+    with pytest.raises(ValueError, match=rf"{op}: mask with shape \[3, 5\] is not broadcastable to x with shape \[2, 3, 4\]"):
+        raw(x, torch.zeros(3, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match=r"mask must be a bool tensor .*x's dtype \(Float\), got Double"):
+        raw(x, torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("op", ["_softmax_backward", "_log_softmax_backward"])
+def test_backward_op_bad_inputs(op):
+    raw = getattr(torch.ops.opforge, op)
+    y = torch.softmax(torch.randn(3, 4), -1)
+    with pytest.raises(ValueError, match=r"grad and output must have the same shape, got grad \[3, 5\] and output \[3, 4\]"):
+        raw(torch.randn(3, 5), y, -1)
+    with pytest.raises(TypeError, match=r"grad and output must have the same dtype, got grad .*Double.* and output .*Float"):
+        raw(torch.randn(3, 4, dtype=torch.float64), y, -1)
+    with pytest.raises(IndexError, match=r"dim must be in \[-2, 1\] for a 2-d output, got 4"):
+        raw(torch.randn(3, 4), y, 4)
+    with pytest.raises(TypeError, match=r"grad must be a float32.*"):
+        raw(torch.ones(3, 4, dtype=torch.int32), y, -1)
+
+
+@pytest.mark.cuda
+def test_mask_on_another_device_raises():
+    x = torch.randn(2, 3, 4, device="cuda")
+    with pytest.raises(ValueError, match=r"x and mask must be on the same device, got x on cuda:0 and mask on cpu"):
+        opforge.scaled_masked_softmax(x, torch.zeros(4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"x and mask must be on the same device"):
+        torch.ops.opforge.scaled_masked_softmax(x, torch.zeros(4, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def ref_bwd(name, g, y, dim):
+    g64, y64 = g.double().cpu(), y.double().cpu()
+    if name == "log_softmax":
+        return (g64 - torch.exp(y64) * g64.sum(dim, keepdim=True)).to(y.dtype)
+    return (y64 * (g64 - (g64 * y64).sum(dim, keepdim=True))).to(y.dtype)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape,dim",
+    [((7, 33), -1), ((4, 5, 6), 1), ((4, 5, 6), 0), ((6, 1), -1), ((0, 3), -1), ((2, 130, 3), 1), ((20, 33000), 0)],
+)
+def test_backward_op_values(name, dtype, shape, dim, device):
+    y = OPS[name][0](rand(shape, dtype, device), dim)
+    g = rand(shape, dtype, device)
+    with poisoned(device):
+        out = BWD_OPS[name](g, y, dim)
+    assert_close(out.cpu(), ref_bwd(name, g, y, dim), scale=4.0)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [1, 33, 1024, 4104, 16384, 16392, 40000])
+def test_backward_row_lengths(name, dtype, K, device):
+    y = OPS[name][0](rand((3, K), dtype, device, scale=2.0), -1)
+    g = rand((3, K), dtype, device)
+    with poisoned(device):
+        out = BWD_OPS[name](g, y, -1)
+    assert_close(out.cpu(), ref_bwd(name, g, y, -1), scale=4.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("K", [7, 2048, 40000])
+def test_scaled_masked_backward_op(dtype, K, device):
+    y = opforge.scaled_masked_softmax(rand((2, 3, K), dtype, device), causal=True)
+    g = rand(y.shape, dtype, device)
+    with poisoned(device):
+        out = torch.ops.opforge._scaled_masked_softmax_backward(g, y, 0.75)
+    expected = (ref_bwd("softmax", g, y, -1).double() * 0.75).to(dtype)
+    assert_close(out.cpu(), expected, scale=4.0)
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("shape,dim", [((3, 5), -1), ((3, 4, 5), 1), ((4, 3), 0), ((1,), 0)])
+def test_gradcheck(name, shape, dim, device):
+    fn = OPS[name][0]
+    x = rand(shape, torch.float64, device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: fn(t, dim), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: fn(t, dim), (x,))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck_scaled_masked(causal, device):
+    x = rand((2, 4, 5), torch.float64, device).requires_grad_()
+    bmask = torch.rand((4, 5), device=device) < 0.3
+    bmask[:, 0] = False
+    fmask = rand((1, 4, 5), torch.float64, device).requires_grad_()  # the additive mask's gradient too
+    assert torch.autograd.gradcheck(lambda t: opforge.scaled_masked_softmax(t, bmask, 0.7, causal), (x,))
+    assert torch.autograd.gradcheck(lambda t, m: opforge.scaled_masked_softmax(t, m, 0.7, causal), (x, fmask))
+    assert torch.autograd.gradgradcheck(lambda t: opforge.scaled_masked_softmax(t, bmask, 0.7, causal), (x,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autograd_matches_torch(dtype, device):
+    x = rand((4, 6, 40), dtype, device).requires_grad_()
+    g = rand((4, 6, 40), dtype, device)
+    x64 = x.detach().double().requires_grad_()
+    for ours, theirs in [
+        (lambda t: opforge.softmax(t, 1), lambda t: torch.softmax(t, 1)),
+        (lambda t: opforge.log_softmax(t, -1), lambda t: torch.log_softmax(t, -1)),
+        (lambda t: opforge.scaled_masked_softmax(t, None, 0.5, True), lambda t: ref_smsm_diff(t, 0.5)),
+    ]:
+        x.grad = x64.grad = None
+        ours(x).backward(g)
+        theirs(x64).backward(g.double())
+        assert x.grad.dtype == dtype
+        assert_close(x.grad.cpu(), x64.grad.cpu().to(dtype), scale=4.0)
+
+
+def ref_smsm_diff(t, scale):
+    lq, lk = t.shape[-2:]
+    above = torch.ones(lq, lk, dtype=torch.bool, device=t.device).triu(1)
+    return torch.softmax((t * scale).masked_fill(above, -INF), -1)
+
+
+# --------------------------------------------------------------------------- torch.library / compile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype, device):
+    x = rand((4, 6, 9), dtype, device).requires_grad_()
+    for dim in (-1, 1):
+        torch.library.opcheck(torch.ops.opforge.softmax.default, (x, dim, None))
+        torch.library.opcheck(torch.ops.opforge.log_softmax.default, (x, dim, None))
+    torch.library.opcheck(torch.ops.opforge.softmax.default, (x, 0, torch.float64))
+    mask = torch.rand((6, 9), device=device) < 0.3
+    torch.library.opcheck(torch.ops.opforge.scaled_masked_softmax.default, (x, mask, 0.5, True))
+    torch.library.opcheck(torch.ops.opforge.scaled_masked_softmax.default, (x, None, 2.0, False))
+    fmask = rand((4, 1, 9), dtype, device).requires_grad_()
+    torch.library.opcheck(torch.ops.opforge.scaled_masked_softmax.default, (x, fmask, 0.5, False))
+    g = rand((4, 6, 9), dtype, device)
+    y = torch.softmax(rand((4, 6, 9), dtype, device), 1).requires_grad_()
+    torch.library.opcheck(torch.ops.opforge._softmax_backward.default, (g, y, 1))
+    torch.library.opcheck(torch.ops.opforge._log_softmax_backward.default, (g, y.log().detach(), -1))
+    torch.library.opcheck(torch.ops.opforge._scaled_masked_softmax_backward.default, (g, y, 0.25))
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.attn = opforge.nn.ScaledMaskedSoftmax(scale=width**-0.5, causal=True)
+        self.norm = opforge.nn.Softmax(-1)
+        self.logp = opforge.nn.LogSoftmax(dim=1)
+
+    def forward(self, x, pad):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        p = self.attn(q @ k.transpose(-2, -1), pad[:, None, :])
+        return self.logp(self.norm(p @ v))
+
+
+def eager_tiny(model, x, pad):
+    q, k, v = model.qkv(x).chunk(3, -1)
+    s = q @ k.transpose(-2, -1) * model.attn.scale
+    lq = s.shape[-1]
+    above = torch.ones(lq, lq, dtype=torch.bool, device=s.device).triu(1)
+    p = torch.softmax(s.masked_fill(above | pad[:, None, :], -INF), -1)
+    return torch.log_softmax(torch.softmax(p @ v, -1), 1)
+
+
+def test_compile_fullgraph_dynamic_no_recompiles(device):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = TinyAttention().to(device)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    frames = []
+    for seq in (5, 9, 17, 40):
+        x = rand((2, seq, 16), device=device)
+        pad = torch.zeros((2, seq), dtype=torch.bool, device=device)
+        pad[1, -2:] = True  # key padding
+        torch.testing.assert_close(compiled(x, pad), model(x, pad))
+        torch.testing.assert_close(model(x, pad), eager_tiny(model, x, pad), atol=1e-5, rtol=1e-5)
+        frames.append(counter.frame_count)
+    # No recompile across sequence lengths. (dynamic=True first traces the
+    # float `scale` attribute as a symbolic float; the op takes a plain
+    # float, so the first compile restarts once with it specialised: at most
+    # two graphs, both from the first call.)
+    assert frames[0] <= 2 and frames == [frames[0]] * len(frames), f"recompiled: {frames}"
+
+
+def test_compile_no_restart_with_constant_scale(device):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def f(x, mask):
+        return opforge.scaled_masked_softmax(x, mask, 0.125, True) + opforge.softmax(x, 1)
+
+    for seq in (6, 11, 30):
+        x = rand((2, 3, seq, seq), device=device)
+        mask = torch.rand((seq, seq), device=device) < 0.2
+        torch.testing.assert_close(
+            f(x, mask), ref_smsm(x, mask, 0.125, True).to(device) + torch.softmax(x, 1), atol=1e-5, rtol=1e-5
+        )
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+
+
+def test_compile_backward(device):
+    torch._dynamo.reset()
+    model = TinyAttention().to(device)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    x = rand((2, 7, 16), device=device).requires_grad_()
+    pad = torch.zeros((2, 7), dtype=torch.bool, device=device)
+    compiled(x, pad).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    model(x, pad).sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+
+
+def test_nn_modules(device):
+    x = rand((3, 4, 5), device=device)
+    assert repr(opforge.nn.Softmax(1)) == "Softmax(dim=1)"
+    assert repr(opforge.nn.ScaledMaskedSoftmax(0.5, True)) == "ScaledMaskedSoftmax(scale=0.5, causal=True)"
+    torch.testing.assert_close(opforge.nn.Softmax(1)(x), torch.softmax(x, 1))
+    torch.testing.assert_close(opforge.nn.LogSoftmax(0)(x), torch.log_softmax(x, 0))
+    torch.testing.assert_close(opforge.nn.ScaledMaskedSoftmax(0.5)(x), torch.softmax(x * 0.5, -1))
+    mask = torch.rand((4, 5), device=device) < 0.3
+    torch.testing.assert_close(opforge.nn.ScaledMaskedSoftmax()(x, mask), opforge.scaled_masked_softmax(x, mask))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay():
+    x = rand((64, 4096), device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        opforge.softmax(x)
+        opforge.scaled_masked_softmax(x, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = opforge.softmax(x)
+        out2 = opforge.scaled_masked_softmax(x, None, 0.5, True)
+    x.copy_(rand((64, 4096), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, torch.softmax(x, -1))
+    torch.testing.assert_close(out2, ref_smsm(x, None, 0.5, True).cuda())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 262144), (2, 1 << 20), (1, 3_000_001)])
+def test_cuda_long_rows(dtype, shape):
+    for name in OPS:
+        check(name, rand(shape, dtype, "cuda", scale=3.0), -1)
+    y = opforge.softmax(rand(shape, dtype, "cuda"))
+    g = rand(shape, dtype, "cuda")
+    assert_close(torch.ops.opforge._softmax_backward(g, y, -1).cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
+
+
+@pytest.mark.cuda
+def test_cuda_misaligned_vector_fallback():
+    for dtype in (torch.float32, torch.bfloat16):
+        flat = rand((4 * 4096 + 1,), dtype, "cuda")
+        x = flat[1:].view(4, 4096)  # contiguous, but rows start off the 16-byte grid
+        assert x.is_contiguous() and x.data_ptr() % 16 != 0
+        check("softmax", x, -1)
+        check("log_softmax", x, -1)
+        check_smsm(x.view(1, 4, 4096), None, 0.5, causal=True)
+        y = opforge.softmax(x)
+        g = rand((4, 4096), dtype, "cuda")
+        assert_close(torch.ops.opforge._softmax_backward(g, y, -1).cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
