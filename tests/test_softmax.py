@@ -250,7 +250,7 @@ def test_bad_inputs_raise_clear_errors(name):
     with pytest.raises(TypeError, match=r"dtype must be float32, float64, float16, bfloat16 or None, got torch.int32"):
         fn(torch.randn(3), 0, torch.int32)
     # The C++ kernel checks the same things when the wrapper is skipped.
-    with pytest.raises(TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got Long"):
+    with pytest.raises(TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"):
         raw(torch.arange(3))
     with pytest.raises(IndexError, match=rf"{op}: dim must be in \[-2, 1\] for a 2-d x, got -3"):
         raw(torch.randn(2, 3), -3)
