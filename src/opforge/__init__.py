@@ -29,7 +29,8 @@ if _os.environ.get("_OPFORGE_TOOLING_ONLY") != "1":
     _loader.load()
 
     from .ops.add import add, add_relu  # noqa: E402
+    from .ops.conv import conv2d_3x3  # noqa: E402
 
     from . import nn  # noqa: E402
 
-__all__ = ["add", "add_relu", "nn", "include_paths", "extension", "__version__"]
+__all__ = ["add", "add_relu", "conv2d_3x3", "nn", "include_paths", "extension", "__version__"]

@@ -30,9 +30,16 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/add_default.cpp",
         "csrc/cpu/add_avx2.cpp",
         "csrc/cpu/add_avx512.cpp",
+        "csrc/cpu/conv.cpp",
+        "csrc/cpu/conv_cpu_default.cpp",
+        "csrc/cpu/conv_cpu_avx2.cpp",
+        "csrc/cpu/conv_cpu_avx512.cpp",
     ],
     cuda_sources=[
         "csrc/cuda/add.cu",
+        "csrc/cuda/conv.cu",
+        "csrc/cuda/conv_depthwise.cu",
+        "csrc/cuda/conv3x3_dense_mma.cu",
     ],
     include_dirs=["csrc"],
 )
