@@ -5,6 +5,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <tuple>
+#include <vector>
+
 #include <opforge/checks.h>
 
 namespace opforge::conv {
@@ -87,5 +91,15 @@ inline void check_backward_args(const char* op, const at::Tensor& grad_out, cons
                      x.scalar_type(), ", got ", result->scalar_type());
   }
 }
+
+// Defined in cpu/conv.cpp (built into every variant of the library).
+// grad_out * (result > 0) through the add family's fused kernel, any device.
+at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result);
+// The backward through ATen's convolution_backward on the (masked) gradient:
+// every CPU case, and the dense CUDA case (cuDNN). Masked-out entries are (0,) tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tensor& grad_out,
+                                                                 const c10::optional<at::Tensor>& result,
+                                                                 const at::Tensor& x, const at::Tensor& w,
+                                                                 const Geometry& g, std::array<bool, 3> mask);
 
 }  // namespace opforge::conv
