@@ -15,6 +15,7 @@
 // weight and grad bias are per-channel reductions: block reductions into a
 // (K, splits, 10) partial buffer, then one small kernel sums the splits in a
 // fixed order (deterministic, no atomics).
+#include <ATen/Functions.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -112,9 +113,9 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw(const scalar_t* __restri
 
   // Stage the input tile: aligned interior columns [c0, c1) by V-wide loads,
   // the rest (halo, zeros past the border) one by one.
-  int64_t c0 = max<int64_t>(iw0, 0);
+  int64_t c0 = iw0 > 0 ? iw0 : 0;
   c0 = (c0 + V - 1) / V * V;
-  int64_t c1 = min<int64_t>(iw0 + tiw, W) / V * V;
+  int64_t c1 = (iw0 + tiw < W ? iw0 + tiw : W) / V * V;
   int nvec = c1 > c0 ? static_cast<int>((c1 - c0) / V) : 0;
   if (nvec == 0) c0 = c1 = iw0;
   const int lead = static_cast<int>(c0 - iw0);
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restri
   const int64_t n = bid / a.tiles_h;
   const int64_t C = a.C, K = a.K, H = a.H, W = a.W;
   const int64_t cin0 = static_cast<int64_t>(chunk) * cb;
-  const int cba = static_cast<int>(min<int64_t>(cb, C - cin0));  // channels in this chunk
+  const int cba = static_cast<int>(C - cin0 < cb ? C - cin0 : cb);  // channels in this chunk
   const int kba = cba * a.mult;
   const int64_t k0 = cin0 * a.mult;
   const int oh0 = th * T::OH, ow0 = tw * T::OW;
@@ -349,7 +350,7 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* _
   const int split = blockIdx.y;
   const int64_t c = k / a.mult;
   const int64_t HoWo = a.Ho * a.Wo, items = a.N * HoWo;
-  const int64_t begin = split * per_split, end = min<int64_t>(items, begin + per_split);
+  const int64_t begin = split * per_split, end = begin + per_split < items ? begin + per_split : items;
   opmath_t acc[10];
 #pragma unroll
   for (int t = 0; t < 10; ++t) acc[t] = opmath_t(0);
@@ -399,7 +400,7 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nhwc(const scalar_t* _
   const bool active = k < a.K;
   const int64_t c = active ? k / a.mult : 0;
   const int64_t HoWo = a.Ho * a.Wo, items = a.N * HoWo;
-  const int64_t begin = split * per_split, end = min<int64_t>(items, begin + per_split);
+  const int64_t begin = split * per_split, end = begin + per_split < items ? begin + per_split : items;
   opmath_t acc[10];
 #pragma unroll
   for (int t = 0; t < 10; ++t) acc[t] = opmath_t(0);
