@@ -2,10 +2,9 @@
 //
 // Depthwise (groups == C): direct loops (cpu/conv_kernels.h), vectorised
 // along W (NCHW) or along the channels (NHWC), parallel over planes / rows.
-// Dense (groups == 1): per image, im2col into a packed buffer and one GEMM
-// (at::mm_out) straight into the output, then the bias + ReLU epilogue on
-// that image's tile while it is in cache. NCHW computes W(K, 9C) @ cols(9C, HoWo);
-// NHWC computes cols(HoWo, 9C) @ W'(9C, K) so both write the output in place.
+// Dense (groups == 1): per (image, tile of output pixels), in parallel:
+// im2col of the tile into a packed buffer, one GEMM (at::mm_out), then the
+// bias + ReLU epilogue as the tile's single write to the output.
 // Non-contiguous inputs take one .contiguous() in their suggested memory format.
 //
 // Backward: the ReLU mask (result > 0) is applied to grad_out by the add
@@ -26,7 +25,8 @@
 
 OPFORGE_CPU_DECLARE(void, conv_dw_nchw, c10::ScalarType, const opforge::conv::DwParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_nhwc, c10::ScalarType, const opforge::conv::DwParams&)
-OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, bool, bool)
+OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t, bool,
+                    bool)
 
 namespace {
 
@@ -35,109 +35,118 @@ using opforge::conv::Geometry;
 constexpr const char* kOp = "opforge.conv2d_3x3";
 constexpr const char* kBwdOp = "opforge._conv2d_3x3_backward";
 
-// cols (9C, Ho*Wo): row (c, kh, kw) holds x[c, oh*s - p + kh, ow*s - p + kw].
+// Packs output pixels [p0, p0 + np) of one image: cols (9C, np), row (c, kh, kw)
+// holding x[c, oh*s - p + kh, ow*s - p + kw] (zeros in the padding).
 template <typename scalar_t, typename dst_t>
-void im2col_nchw(const scalar_t* x, dst_t* cols, const Geometry& g) {
-  const int64_t HoWo = g.Ho * g.Wo;
-  at::parallel_for(0, g.C * 9, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t c = r / 9, kh = (r % 9) / 3, kw = r % 3;
-      dst_t* dst = cols + r * HoWo;
-      const scalar_t* xc = x + c * g.H * g.W;
-      for (int64_t oh = 0; oh < g.Ho; ++oh) {
-        dst_t* d = dst + oh * g.Wo;
-        const int64_t ih = oh * g.stride - g.pad + kh;
-        if (ih < 0 || ih >= g.H) {
-          std::fill(d, d + g.Wo, dst_t(0));
-          continue;
-        }
-        const scalar_t* xr = xc + ih * g.W;
-        if (g.stride == 1) {
-          // iw = ow - p + kw; valid ow in [lo, hi)
-          const int64_t lo = std::max<int64_t>(0, g.pad - kw);
-          const int64_t hi = std::min<int64_t>(g.Wo, g.W + g.pad - kw);
-          for (int64_t ow = 0; ow < lo; ++ow) d[ow] = dst_t(0);
-          const scalar_t* xs = xr + lo - g.pad + kw;
-          if constexpr (std::is_same_v<scalar_t, dst_t>) {
-            if (hi > lo) std::memcpy(d + lo, xs, (hi - lo) * sizeof(scalar_t));
-          } else {
-            for (int64_t ow = lo; ow < hi; ++ow) d[ow] = static_cast<dst_t>(xs[ow - lo]);
-          }
-          for (int64_t ow = std::max(hi, lo); ow < g.Wo; ++ow) d[ow] = dst_t(0);
+void im2col_nchw_tile(const scalar_t* x, dst_t* cols, const Geometry& g, int64_t p0, int64_t np) {
+  for (int64_t r = 0; r < g.C * 9; ++r) {
+    const int64_t c = r / 9, kh = (r % 9) / 3, kw = r % 3;
+    const scalar_t* xc = x + c * g.H * g.W;
+    for (int64_t p = p0; p < p0 + np;) {
+      const int64_t oh = p / g.Wo, ow0 = p % g.Wo;
+      const int64_t ow1 = std::min<int64_t>(g.Wo, ow0 + (p0 + np - p));
+      dst_t* d = cols + r * np + (p - p0) - ow0;  // d[ow] for ow in [ow0, ow1)
+      p += ow1 - ow0;
+      const int64_t ih = oh * g.stride - g.pad + kh;
+      if (ih < 0 || ih >= g.H) {
+        std::fill(d + ow0, d + ow1, dst_t(0));
+        continue;
+      }
+      const scalar_t* xr = xc + ih * g.W;
+      if (g.stride == 1) {
+        // iw = ow - p + kw is inside the row for ow in [lo, hi).
+        const int64_t lo = std::min(ow1, std::max<int64_t>(ow0, g.pad - kw));
+        const int64_t hi = std::max(lo, std::min<int64_t>(ow1, g.W + g.pad - kw));
+        std::fill(d + ow0, d + lo, dst_t(0));
+        const scalar_t* xs = xr - g.pad + kw;
+        if constexpr (std::is_same_v<scalar_t, dst_t>) {
+          if (hi > lo) std::memcpy(d + lo, xs + lo, (hi - lo) * sizeof(scalar_t));
         } else {
-          for (int64_t ow = 0; ow < g.Wo; ++ow) {
-            const int64_t iw = ow * g.stride - g.pad + kw;
-            d[ow] = (iw >= 0 && iw < g.W) ? static_cast<dst_t>(xr[iw]) : dst_t(0);
-          }
+          for (int64_t ow = lo; ow < hi; ++ow) d[ow] = static_cast<dst_t>(xs[ow]);
         }
-      }
-    }
-  });
-}
-
-// cols (Ho*Wo, 9C): row (oh, ow), column (kh, kw, c) holds x[oh*s - p + kh, ow*s - p + kw, c].
-template <typename scalar_t, typename dst_t>
-void im2col_nhwc(const scalar_t* x, dst_t* cols, const Geometry& g) {
-  const int64_t C = g.C;
-  at::parallel_for(0, g.Ho * g.Wo, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t oh = r / g.Wo, ow = r % g.Wo;
-      dst_t* d = cols + r * 9 * C;
-      for (int64_t kh = 0; kh < 3; ++kh) {
-        const int64_t ih = oh * g.stride - g.pad + kh;
-        for (int64_t kw = 0; kw < 3; ++kw) {
+        std::fill(d + hi, d + ow1, dst_t(0));
+      } else {
+        for (int64_t ow = ow0; ow < ow1; ++ow) {
           const int64_t iw = ow * g.stride - g.pad + kw;
-          dst_t* dd = d + (kh * 3 + kw) * C;
-          if (ih < 0 || ih >= g.H || iw < 0 || iw >= g.W) {
-            std::fill(dd, dd + C, dst_t(0));
-          } else if constexpr (std::is_same_v<scalar_t, dst_t>) {
-            std::memcpy(dd, x + (ih * g.W + iw) * C, C * sizeof(scalar_t));
-          } else {
-            const scalar_t* xs = x + (ih * g.W + iw) * C;
-            for (int64_t c = 0; c < C; ++c) dd[c] = static_cast<dst_t>(xs[c]);
-          }
+          d[ow] = (iw >= 0 && iw < g.W) ? static_cast<dst_t>(xr[iw]) : dst_t(0);
         }
       }
     }
-  });
+  }
 }
 
-// float16 / bfloat16 pack into float32 and multiply in float32, so the
-// epilogue rounds the result once (float and double GEMM into the output).
+// Packs output pixels [p0, p0 + np) of one NHWC image: cols (np, 9C), column
+// (kh, kw, c) holding x[oh*s - p + kh, ow*s - p + kw, c].
+template <typename scalar_t, typename dst_t>
+void im2col_nhwc_tile(const scalar_t* x, dst_t* cols, const Geometry& g, int64_t p0, int64_t np) {
+  const int64_t C = g.C;
+  for (int64_t p = p0; p < p0 + np; ++p) {
+    const int64_t oh = p / g.Wo, ow = p % g.Wo;
+    dst_t* d = cols + (p - p0) * 9 * C;
+    for (int64_t kh = 0; kh < 3; ++kh) {
+      const int64_t ih = oh * g.stride - g.pad + kh;
+      for (int64_t kw = 0; kw < 3; ++kw) {
+        const int64_t iw = ow * g.stride - g.pad + kw;
+        dst_t* dd = d + (kh * 3 + kw) * C;
+        if (ih < 0 || ih >= g.H || iw < 0 || iw >= g.W) {
+          std::fill(dd, dd + C, dst_t(0));
+        } else if constexpr (std::is_same_v<scalar_t, dst_t>) {
+          std::memcpy(dd, x + (ih * g.W + iw) * C, C * sizeof(scalar_t));
+        } else {
+          const scalar_t* xs = x + (ih * g.W + iw) * C;
+          for (int64_t c = 0; c < C; ++c) dd[c] = static_cast<dst_t>(xs[c]);
+        }
+      }
+    }
+  }
+}
+
+// Work items are (image, tile of output pixels), in parallel; each packs its
+// tile (about 256 KiB, so packing, GEMM and epilogue stay in cache), runs one
+// GEMM (at::mm_out, single-threaded inside the parallel region) into an
+// opmath tile, and the epilogue adds the bias, applies ReLU, rounds once and
+// writes the tile to the output (its final and only write). NCHW computes
+// W(K, 9C) @ cols(9C, np); NHWC cols(np, 9C) @ W(9C, K). Half types pack and
+// multiply in float32.
 void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu, at::Tensor& out,
                    const Geometry& g, bool nhwc) {
   const auto bias_act = OPFORGE_CPU_SELECT(conv_bias_act);
-  const int64_t HoWo = g.Ho * g.Wo, CK = 9 * g.C;
-  const auto op_dtype = at::toOpMathType(x.scalar_type());
-  const bool reduced = op_dtype != x.scalar_type();
+  const int64_t HoWo = g.Ho * g.Wo, CK = 9 * g.C, K = g.K;
+  const auto dtype = x.scalar_type();
+  const auto op_dtype = at::toOpMathType(dtype);
   const auto op_opts = x.options().dtype(op_dtype);
-  at::Tensor cols = at::empty(nhwc ? std::vector<int64_t>{HoWo, CK} : std::vector<int64_t>{CK, HoWo}, op_opts);
-  at::Tensor tile = reduced ? at::empty(nhwc ? std::vector<int64_t>{HoWo, g.K} : std::vector<int64_t>{g.K, HoWo}, op_opts)
-                            : at::Tensor();
-  // Weight as the GEMM operand: (K, 9C) with columns (c, kh, kw) for NCHW,
-  // (9C, K) with rows (kh, kw, c) for NHWC.
   const at::Tensor w_op = w.to(op_dtype);
-  const at::Tensor wmat = nhwc ? w_op.permute({2, 3, 1, 0}).reshape({CK, g.K}).contiguous() : w_op.reshape({g.K, CK});
+  const at::Tensor wmat = nhwc ? w_op.permute({2, 3, 1, 0}).reshape({CK, K}).contiguous()
+                               : w_op.reshape({K, CK}).contiguous();
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(op_dtype));
+  int64_t tp = std::max<int64_t>(16, (256 * 1024 / esize) / std::max<int64_t>(1, CK));
+  tp = std::min<int64_t>(HoWo, (tp + 15) / 16 * 16);
+  const int64_t tiles = (HoWo + tp - 1) / tp;
   const void* bptr = bias.defined() ? bias.const_data_ptr() : nullptr;
-  OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_dense_cpu", [&] {
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv2d_3x3_dense_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     const auto* xp = x.const_data_ptr<scalar_t>();
-    for (int64_t n = 0; n < g.N; ++n) {
-      const scalar_t* xn = xp + n * g.C * g.H * g.W;
-      // out[n] is a contiguous (K, Ho*Wo) matrix, or (Ho*Wo, K) in channels_last memory.
-      at::Tensor on = nhwc ? out.select(0, n).permute({1, 2, 0}).view({HoWo, g.K}) : out.select(0, n).view({g.K, HoWo});
-      at::Tensor dst = reduced ? tile : on;
-      if (nhwc) {
-        im2col_nhwc<scalar_t, opmath_t>(xn, cols.mutable_data_ptr<opmath_t>(), g);
-        at::mm_out(dst, cols, wmat);
-      } else {
-        im2col_nchw<scalar_t, opmath_t>(xn, cols.mutable_data_ptr<opmath_t>(), g);
-        at::mm_out(dst, wmat, cols);
+    auto* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, g.N * tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<opmath_t> cols_buf(CK * tp), acc_buf(K * tp);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t n = item / tiles, p0 = (item % tiles) * tp, np = std::min(tp, HoWo - p0);
+        const scalar_t* xn = xp + n * g.C * g.H * g.W;
+        if (nhwc) {
+          im2col_nhwc_tile<scalar_t, opmath_t>(xn, cols_buf.data(), g, p0, np);
+          at::Tensor cols = at::from_blob(cols_buf.data(), {np, CK}, op_opts);
+          at::Tensor acc = at::from_blob(acc_buf.data(), {np, K}, op_opts);
+          at::mm_out(acc, cols, wmat);
+          bias_act(dtype, acc_buf.data(), op + (n * HoWo + p0) * K, bptr, np, K, K, false, relu);
+        } else {
+          im2col_nchw_tile<scalar_t, opmath_t>(xn, cols_buf.data(), g, p0, np);
+          at::Tensor cols = at::from_blob(cols_buf.data(), {CK, np}, op_opts);
+          at::Tensor acc = at::from_blob(acc_buf.data(), {K, np}, op_opts);
+          at::mm_out(acc, wmat, cols);
+          bias_act(dtype, acc_buf.data(), op + n * K * HoWo + p0, bptr, K, np, HoWo, true, relu);
+        }
       }
-      if (reduced || bptr || relu)
-        bias_act(x.scalar_type(), dst.const_data_ptr(), on.data_ptr(), bptr, nhwc ? HoWo : g.K, nhwc ? g.K : HoWo,
-                 !nhwc, relu);
-    }
+    });
   });
 }
 

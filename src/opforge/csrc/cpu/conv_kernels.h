@@ -6,7 +6,8 @@
 //   columns so every tap is a contiguous vector load), then each output row
 //   is 9 vector FMAs along W starting from the bias, ReLU and one rounding on
 //   the store. Channel multipliers reuse the plane.
-// - depthwise forward, NHWC: per output row, vectorised along the channels.
+// - depthwise forward, NHWC: per output pixel, vectorised along the channels,
+//   the 9 taps accumulated in registers from the bias.
 // - bias_act: the dense path's epilogue, run on each GEMM result tile while
 //   it is in cache (bias per row or per column, optional ReLU, one rounding).
 #include <ATen/OpMathType.h>
@@ -134,71 +135,85 @@ void dw_nhwc(const conv::DwParams& p) {
     for (int t = 0; t < 9; ++t) wt[t * K + k] = static_cast<opmath_t>(w[k * 9 + t]);
     if (b) bias[k] = static_cast<opmath_t>(b[k]);
   }
+  constexpr bool kSame = std::is_same_v<scalar_t, opmath_t>;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, Wo * K));
   at::parallel_for(0, p.N * Ho, grain, [&](int64_t begin, int64_t end) {
-    std::vector<opmath_t> acc(Wo * K);
-    std::vector<opmath_t> xrow(std::is_same_v<scalar_t, opmath_t> ? 0 : W * C);
+    // Up to three input rows (converted to opmath for half types) and one
+    // output pixel's accumulators.
+    std::vector<opmath_t> rows(kSame ? 0 : 3 * W * C);
+    std::vector<opmath_t> acc(K + L);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = r / Ho, oh = r % Ho;
-      for (int64_t ow = 0; ow < Wo; ++ow) std::copy(bias.begin(), bias.end(), acc.begin() + ow * K);
+      const opmath_t* xrow[3];
       for (int kh = 0; kh < 3; ++kh) {
         const int64_t ih = oh * s - pad + kh;
-        if (ih < 0 || ih >= H) continue;
-        const scalar_t* xr = x + ((n * H + ih) * W) * C;
-        const opmath_t* xo;
-        if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-          xo = xr;
-        } else {
-          for (int64_t i = 0; i < W * C; ++i) xrow[i] = static_cast<opmath_t>(xr[i]);
-          xo = xrow.data();
+        if (ih < 0 || ih >= H) {
+          xrow[kh] = nullptr;
+          continue;
         }
-        for (int64_t ow = 0; ow < Wo; ++ow) {
-          opmath_t* a = acc.data() + ow * K;
-          for (int kw = 0; kw < 3; ++kw) {
-            const int64_t iw = ow * s - pad + kw;
-            if (iw < 0 || iw >= W) continue;
-            const opmath_t* xi = xo + iw * C;
-            const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
-            if (m == 1) {
-              int64_t k = 0;
-              for (; k + L <= K; k += L)
-                at::vec::fmadd(V::loadu(wv + k), V::loadu(xi + k), V::loadu(a + k)).store(a + k);
-              for (; k < K; ++k) a[k] += wv[k] * xi[k];
-            } else {
-              for (int64_t c = 0; c < C; ++c) {
-                const opmath_t xv = xi[c];
-                for (int64_t j = 0; j < m; ++j) a[c * m + j] += wv[c * m + j] * xv;
-              }
-            }
-          }
+        const scalar_t* src = x + ((n * H + ih) * W) * C;
+        if constexpr (kSame) {
+          xrow[kh] = src;
+        } else {
+          opmath_t* dst = rows.data() + kh * W * C;
+          for (int64_t i = 0; i < W * C; ++i) dst[i] = static_cast<opmath_t>(src[i]);
+          xrow[kh] = dst;
         }
       }
       scalar_t* orow = out + ((n * Ho + oh) * Wo) * K;
-      const int64_t total = Wo * K;
-      int64_t i = 0;
-      for (; i + L <= total; i += L) {
-        V a = V::loadu(acc.data() + i);
-        if (p.relu) a = relu_vec(a);
-        if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-          a.store(orow + i);
-        } else {
-          a.store(acc.data() + i);
-          for (int64_t q = 0; q < L; ++q) orow[i + q] = static_cast<scalar_t>(acc[i + q]);
+      for (int64_t ow = 0; ow < Wo; ++ow) {
+        const opmath_t* taps[9];
+        int nt = 0;
+        int tap_id[9];
+        for (int kh = 0; kh < 3; ++kh) {
+          if (!xrow[kh]) continue;
+          for (int kw = 0; kw < 3; ++kw) {
+            const int64_t iw = ow * s - pad + kw;
+            if (iw < 0 || iw >= W) continue;
+            taps[nt] = xrow[kh] + iw * C;
+            tap_id[nt++] = kh * 3 + kw;
+          }
         }
-      }
-      for (; i < total; ++i) {
-        const opmath_t a = acc[i];
-        orow[i] = static_cast<scalar_t>(p.relu ? relu_scalar(a) : a);
+        scalar_t* o = orow + ow * K;
+        if (m == 1) {
+          int64_t k = 0;
+          for (; k + L <= K; k += L) {
+            V a = V::loadu(bias.data() + k);
+            for (int t = 0; t < nt; ++t) a = at::vec::fmadd(V::loadu(wt.data() + tap_id[t] * K + k), V::loadu(taps[t] + k), a);
+            if (p.relu) a = relu_vec(a);
+            if constexpr (kSame) {
+              a.store(o + k);
+            } else {
+              a.store(acc.data());
+              for (int64_t q = 0; q < L; ++q) o[k + q] = static_cast<scalar_t>(acc[q]);
+            }
+          }
+          for (; k < K; ++k) {
+            opmath_t a = bias[k];
+            for (int t = 0; t < nt; ++t) a += wt[tap_id[t] * K + k] * taps[t][k];
+            o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(a) : a);
+          }
+        } else {
+          std::copy(bias.begin(), bias.end(), acc.begin());
+          for (int t = 0; t < nt; ++t) {
+            const opmath_t* wv = wt.data() + tap_id[t] * K;
+            for (int64_t c = 0; c < C; ++c) {
+              const opmath_t xv = taps[t][c];
+              for (int64_t j = 0; j < m; ++j) acc[c * m + j] += wv[c * m + j] * xv;
+            }
+          }
+          for (int64_t k = 0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
+        }
       }
     }
   });
 }
 
-// dst (rows, cols) = act(src + bias), both contiguous; src is the GEMM's
-// opmath result (the same memory as dst for float and double).
+// dst (rows, cols; row stride dst_stride) = act(src + bias); src is the
+// GEMM's contiguous opmath tile. This is the dense path's final write.
 template <typename scalar_t>
-void bias_act(const void* src_, void* dst_, const void* bias_, int64_t rows, int64_t cols, bool bias_per_row,
-              bool relu) {
+void bias_act(const void* src_, void* dst_, const void* bias_, int64_t rows, int64_t cols, int64_t dst_stride,
+              bool bias_per_row, bool relu) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
@@ -215,7 +230,7 @@ void bias_act(const void* src_, void* dst_, const void* bias_, int64_t rows, int
     std::vector<opmath_t> tmp(std::is_same_v<scalar_t, opmath_t> ? 0 : L);
     for (int64_t r = begin; r < end; ++r) {
       const opmath_t* in = src + r * cols;
-      scalar_t* out = dst + r * cols;
+      scalar_t* out = dst + r * dst_stride;
       const opmath_t br = (bias && bias_per_row) ? static_cast<opmath_t>(bias[r]) : opmath_t(0);
       int64_t j = 0;
       for (; j + L <= cols; j += L) {
@@ -249,9 +264,9 @@ void conv_dw_nhwc(c10::ScalarType dtype, const conv::DwParams& p) {
 }
 
 void conv_bias_act(c10::ScalarType dtype, const void* src, void* dst, const void* bias, int64_t rows, int64_t cols,
-                   bool bias_per_row, bool relu) {
+                   int64_t dst_stride, bool bias_per_row, bool relu) {
   OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_bias_act", [&] {
-    conv_detail::bias_act<scalar_t>(src, dst, bias, rows, cols, bias_per_row, relu);
+    conv_detail::bias_act<scalar_t>(src, dst, bias, rows, cols, dst_stride, bias_per_row, relu);
   });
 }
 
