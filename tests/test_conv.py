@@ -424,11 +424,29 @@ def test_cuda_depthwise_bench_shapes(dtype, shape, channels_last):
     torch.testing.assert_close(w.grad.double(), w2.grad, atol=atol * math.sqrt(n_terms), rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_multiplier_vector_paths(dtype, channels_last, stride, device):
+    # Channel multiplier 2 with sizes that allow 16-byte accesses along W and C.
+    x = rand((2, 16, 12, 32), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    check(x, rand((32, 1, 3, 3), dtype, device), rand((32,), dtype, device), stride, 1, 16, True)
+
+
 @pytest.mark.cuda
-def test_cuda_misaligned_and_offset_views():
-    # Storage offsets break 16-byte alignment: the kernels must take their scalar path.
-    base = rand((2 * 8 * 10 * 13 + 1,), torch.float32, "cuda")
-    x = base[1:].view(2, 8, 10, 13)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_misaligned_and_offset_views(channels_last):
+    # A storage offset of one element breaks 16-byte alignment although W and
+    # C are multiples of the vector width: the kernels must take narrower accesses.
+    shape = (2, 8, 10, 16)
+    base = rand((2 * 8 * 10 * 16 + 1,), torch.float32, "cuda")
+    if channels_last:
+        x = base[1:].view(2, 10, 16, 8).permute(0, 3, 1, 2)
+    else:
+        x = base[1:].view(shape)
+    assert x.data_ptr() % 16 != 0
     check(x, rand((8, 1, 3, 3), torch.float32, "cuda"), None, 1, 1, 8, True)
     check(x, rand((8, 8, 3, 3), torch.float32, "cuda"), rand((8,), torch.float32, "cuda"), 1, 1, 1, True)
 

@@ -108,10 +108,19 @@ void dw_nchw(const conv::DwParams& p) {
               for (int64_t i = 0; i < L; ++i) orow[ow + i] = static_cast<scalar_t>(acc[ow + i]);
             }
           }
-          for (; ow < Wo; ++ow) {
-            opmath_t a = bk;
-            for (int t = 0; t < 9; ++t) a += wk[t] * taps[t][ow];
-            orow[ow] = static_cast<scalar_t>(p.relu ? relu_scalar(a) : a);
+          if (ow < Wo) {
+            // Tail: full-width loads stay inside the row's slack (rowlen = Wp + L),
+            // only Wo - ow values are stored.
+            const int64_t rem = Wo - ow;
+            V a(bk);
+            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(V(wk[t]), V::loadu(taps[t] + ow), a);
+            if (p.relu) a = relu_vec(a);
+            if constexpr (std::is_same_v<scalar_t, opmath_t>) {
+              a.store(orow + ow, static_cast<int>(rem));
+            } else {
+              a.store(acc.data() + ow);
+              for (int64_t i = 0; i < rem; ++i) orow[ow + i] = static_cast<scalar_t>(acc[ow + i]);
+            }
           }
         }
       }
