@@ -34,6 +34,8 @@ using opforge::conv::Geometry;
 
 constexpr const char* kOp = "opforge.conv2d_3x3";
 constexpr const char* kBwdOp = "opforge._conv2d_3x3_backward";
+// Packed-columns bytes per dense work item (see dense_forward).
+constexpr int64_t kTileBytes = 1 << 20;
 
 // Packs output pixels [p0, p0 + np) of one image: cols (9C, np), row (c, kh, kw)
 // holding x[c, oh*s - p + kh, ow*s - p + kw] (zeros in the padding).
@@ -119,7 +121,7 @@ void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   const at::Tensor wmat = nhwc ? w_op.permute({2, 3, 1, 0}).reshape({CK, K}).contiguous()
                                : w_op.reshape({K, CK}).contiguous();
   const int64_t esize = static_cast<int64_t>(c10::elementSize(op_dtype));
-  int64_t tp = std::max<int64_t>(16, (256 * 1024 / esize) / std::max<int64_t>(1, CK));
+  int64_t tp = std::max<int64_t>(16, (kTileBytes / esize) / std::max<int64_t>(1, CK));
   tp = std::min<int64_t>(HoWo, (tp + 15) / 16 * 16);
   const int64_t tiles = (HoWo + tp - 1) / tp;
   const void* bptr = bias.defined() ? bias.const_data_ptr() : nullptr;
