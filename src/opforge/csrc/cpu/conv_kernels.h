@@ -6,8 +6,8 @@
 //   columns so every tap is a contiguous vector load), then each output row
 //   is 9 vector FMAs along W starting from the bias, ReLU and one rounding on
 //   the store. Channel multipliers reuse the plane.
-// - depthwise forward, NHWC: per output pixel, vectorised along the channels,
-//   the 9 taps accumulated in registers from the bias.
+// - depthwise forward, NHWC: per output row and channel vector, vectorised
+//   along the channels with the 9 weight vectors in registers.
 // - bias_act: the dense path's epilogue, run on each GEMM result tile while
 //   it is in cache (bias per row or per column, optional ReLU, one rounding).
 #include <ATen/OpMathType.h>
@@ -170,48 +170,53 @@ void dw_nhwc(const conv::DwParams& p) {
         }
       }
       scalar_t* orow = out + ((n * Ho + oh) * Wo) * K;
-      for (int64_t ow = 0; ow < Wo; ++ow) {
-        const opmath_t* taps[9];
-        int nt = 0;
-        int tap_id[9];
-        for (int kh = 0; kh < 3; ++kh) {
-          if (!xrow[kh]) continue;
-          for (int kw = 0; kw < 3; ++kw) {
-            const int64_t iw = ow * s - pad + kw;
-            if (iw < 0 || iw >= W) continue;
-            taps[nt] = xrow[kh] + iw * C;
-            tap_id[nt++] = kh * 3 + kw;
-          }
-        }
-        scalar_t* o = orow + ow * K;
-        if (m == 1) {
-          int64_t k = 0;
-          for (; k + L <= K; k += L) {
-            V a = V::loadu(bias.data() + k);
-            for (int t = 0; t < nt; ++t) a = at::vec::fmadd(V::loadu(wt.data() + tap_id[t] * K + k), V::loadu(taps[t] + k), a);
+      int64_t k0 = 0;
+      if (m == 1) {
+        // One channel vector at a time along the whole row: its 9 weight
+        // vectors stay in registers, each output is 9 FMAs from the bias.
+        for (; k0 + L <= K; k0 += L) {
+          V wv[9];
+          for (int t = 0; t < 9; ++t) wv[t] = V::loadu(wt.data() + t * K + k0);
+          const V bv = V::loadu(bias.data() + k0);
+          for (int64_t ow = 0; ow < Wo; ++ow) {
+            const int64_t iw0 = ow * s - pad;
+            V a = bv;
+            for (int kh = 0; kh < 3; ++kh) {
+              if (!xrow[kh]) continue;
+              const opmath_t* xr = xrow[kh] + k0;
+              for (int kw = 0; kw < 3; ++kw) {
+                const int64_t iw = iw0 + kw;
+                if (iw < 0 || iw >= W) continue;
+                a = at::vec::fmadd(wv[kh * 3 + kw], V::loadu(xr + iw * C), a);
+              }
+            }
             if (p.relu) a = relu_vec(a);
+            scalar_t* o = orow + ow * K + k0;
             if constexpr (kSame) {
-              a.store(o + k);
+              a.store(o);
             } else {
               a.store(acc.data());
-              for (int64_t q = 0; q < L; ++q) o[k + q] = static_cast<scalar_t>(acc[q]);
+              for (int64_t q = 0; q < L; ++q) o[q] = static_cast<scalar_t>(acc[q]);
             }
           }
-          for (; k < K; ++k) {
-            opmath_t a = bias[k];
-            for (int t = 0; t < nt; ++t) a += wt[tap_id[t] * K + k] * taps[t][k];
-            o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(a) : a);
-          }
-        } else {
-          std::copy(bias.begin(), bias.end(), acc.begin());
-          for (int t = 0; t < nt; ++t) {
-            const opmath_t* wv = wt.data() + tap_id[t] * K;
-            for (int64_t c = 0; c < C; ++c) {
-              const opmath_t xv = taps[t][c];
-              for (int64_t j = 0; j < m; ++j) acc[c * m + j] += wv[c * m + j] * xv;
+        }
+      }
+      if (k0 < K) {
+        // Remaining channels (fewer than a vector, or a channel multiplier > 1).
+        for (int64_t ow = 0; ow < Wo; ++ow) {
+          std::copy(bias.begin() + k0, bias.end(), acc.begin() + k0);
+          for (int kh = 0; kh < 3; ++kh) {
+            if (!xrow[kh]) continue;
+            for (int kw = 0; kw < 3; ++kw) {
+              const int64_t iw = ow * s - pad + kw;
+              if (iw < 0 || iw >= W) continue;
+              const opmath_t* xi = xrow[kh] + iw * C;
+              const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
+              for (int64_t k = k0; k < K; ++k) acc[k] += wv[k] * xi[k / m];
             }
           }
-          for (int64_t k = 0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
+          scalar_t* o = orow + ow * K;
+          for (int64_t k = k0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
         }
       }
     }
