@@ -4,8 +4,9 @@
 // - depthwise forward, NCHW: per (image, input channel) the padded plane is
 //   converted once to opmath (stride 2: each row split into even and odd
 //   columns so every tap is a contiguous vector load), then each output row
-//   is 9 vector FMAs along W starting from the bias, ReLU and one rounding on
-//   the store. Channel multipliers reuse the plane.
+//   is 9 vector FMAs along W starting from the bias (float/double stride 1:
+//   two rows per pass, sharing loads), ReLU and one rounding on the store.
+//   Channel multipliers reuse the plane.
 // - depthwise forward, NHWC: per output row and channel vector, vectorised
 //   along the channels with the 9 weight vectors in registers.
 // - bias_act: the dense path's epilogue, run on each GEMM result tile while
@@ -81,7 +82,49 @@ void dw_nchw(const conv::DwParams& p) {
         for (int t = 0; t < 9; ++t) wk[t] = static_cast<opmath_t>(w[k * 9 + t]);
         const opmath_t bk = b ? static_cast<opmath_t>(b[k]) : opmath_t(0);
         scalar_t* op = out + (n * p.K + k) * Ho * Wo;
+        V wv[9];
+        for (int t = 0; t < 9; ++t) wv[t] = V(wk[t]);
         for (int64_t oh = 0; oh < Ho; ++oh) {
+          if constexpr (std::is_same_v<scalar_t, opmath_t>) {
+            if (s == 1 && oh + 1 < Ho) {
+              // Two output rows at once from four staged rows: each loaded
+              // vector feeds both rows' accumulators (12 loads per 2 outputs).
+              const opmath_t* R[4];
+              for (int rr = 0; rr < 4; ++rr) R[rr] = plane.data() + (oh + rr) * rowlen;
+              scalar_t* o0 = op + oh * Wo;
+              scalar_t* o1 = o0 + Wo;
+              for (int64_t ow = 0; ow < Wo; ow += L) {
+                V a0(bk), a1(bk);
+                for (int rr = 0; rr < 4; ++rr) {
+                  const V x0 = V::loadu(R[rr] + ow), x1 = V::loadu(R[rr] + ow + 1), x2 = V::loadu(R[rr] + ow + 2);
+                  if (rr < 3) {
+                    a0 = at::vec::fmadd(wv[rr * 3], x0, a0);
+                    a0 = at::vec::fmadd(wv[rr * 3 + 1], x1, a0);
+                    a0 = at::vec::fmadd(wv[rr * 3 + 2], x2, a0);
+                  }
+                  if (rr > 0) {
+                    a1 = at::vec::fmadd(wv[rr * 3 - 3], x0, a1);
+                    a1 = at::vec::fmadd(wv[rr * 3 - 2], x1, a1);
+                    a1 = at::vec::fmadd(wv[rr * 3 - 1], x2, a1);
+                  }
+                }
+                if (p.relu) {
+                  a0 = relu_vec(a0);
+                  a1 = relu_vec(a1);
+                }
+                const int64_t rem = Wo - ow;
+                if (rem >= L) {
+                  a0.store(o0 + ow);
+                  a1.store(o1 + ow);
+                } else {
+                  a0.store(o0 + ow, static_cast<int>(rem));
+                  a1.store(o1 + ow, static_cast<int>(rem));
+                }
+              }
+              ++oh;
+              continue;
+            }
+          }
           const opmath_t* taps[9];
           for (int kh = 0; kh < 3; ++kh) {
             const opmath_t* row = plane.data() + (oh * s + kh) * rowlen;
@@ -99,7 +142,7 @@ void dw_nchw(const conv::DwParams& p) {
           int64_t ow = 0;
           for (; ow + L <= Wo; ow += L) {
             V a(bk);
-            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(V(wk[t]), V::loadu(taps[t] + ow), a);
+            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
             if (p.relu) a = relu_vec(a);
             if constexpr (std::is_same_v<scalar_t, opmath_t>) {
               a.store(orow + ow);
@@ -113,7 +156,7 @@ void dw_nchw(const conv::DwParams& p) {
             // only Wo - ow values are stored.
             const int64_t rem = Wo - ow;
             V a(bk);
-            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(V(wk[t]), V::loadu(taps[t] + ow), a);
+            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
             if (p.relu) a = relu_vec(a);
             if constexpr (std::is_same_v<scalar_t, opmath_t>) {
               a.store(orow + ow, static_cast<int>(rem));
