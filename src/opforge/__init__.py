@@ -29,6 +29,7 @@ if _os.environ.get("_OPFORGE_TOOLING_ONLY") != "1":
     _loader.load()
 
     from .ops.add import add, add_relu  # noqa: E402
+    from .ops.conv import conv2d_3x3  # noqa: E402
     from .ops.nms import batched_nms, nms, nms_padded  # noqa: E402
     from .ops.softmax import log_softmax, scaled_masked_softmax, softmax  # noqa: E402
 
@@ -43,6 +44,7 @@ __all__ = [
     "nms",
     "batched_nms",
     "nms_padded",
+    "conv2d_3x3",
     "nn",
     "include_paths",
     "extension",

@@ -6,6 +6,7 @@ import torch
 
 from .ops.add import add, add_relu
 from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
+from .ops.conv import conv2d_3x3
 
 
 class Add(torch.nn.Module):
@@ -83,3 +84,79 @@ class ScaledMaskedSoftmax(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}, causal={self.causal}"
+
+
+class Conv2d3x3(torch.nn.Module):
+    """A 3x3 ``nn.Conv2d`` (optionally followed by ReLU) as one fused op (opforge.conv2d_3x3).
+
+    Same parameters and initialisation as ``torch.nn.Conv2d(in_channels,
+    out_channels, 3, stride, padding, groups=groups, bias=bias)``; ``groups``
+    is 1 or ``in_channels`` (depthwise, ``out_channels`` a multiple of it);
+    ``activation`` is None or ``"relu"``. ``Conv2d3x3.from_conv(conv, relu=True)``
+    converts a trained layer (and the ReLU after it)::
+
+        block = torch.nn.Sequential(conv, torch.nn.ReLU())
+        fused = opforge.nn.Conv2d3x3.from_conv(block[0], relu=True)
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        stride: int = 1,
+        padding: int = 0,
+        groups: int = 1,
+        bias: bool = True,
+        activation: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if groups not in (1, in_channels):
+            raise ValueError(f"Conv2d3x3: groups must be 1 or in_channels ({in_channels}), got {groups}")
+        if out_channels % groups != 0:
+            raise ValueError(f"Conv2d3x3: out_channels ({out_channels}) must be a multiple of groups ({groups})")
+        if stride not in (1, 2):
+            raise ValueError(f"Conv2d3x3: stride must be 1 or 2, got {stride}")
+        if padding not in (0, 1):
+            raise ValueError(f"Conv2d3x3: padding must be 0 or 1, got {padding}")
+        if activation not in (None, "relu"):
+            raise ValueError(f"Conv2d3x3: activation must be None or 'relu', got {activation!r}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.stride, self.padding, self.groups, self.activation = stride, padding, groups, activation
+        # Initialised exactly as nn.Conv2d (kaiming_uniform(a=sqrt(5)), bias U(-1/sqrt(fan_in), +)).
+        ref = torch.nn.Conv2d(in_channels, out_channels, 3, stride, padding, groups=groups, bias=bias,
+                              device=device, dtype=dtype)
+        self.weight = ref.weight
+        self.bias = ref.bias
+
+    @classmethod
+    def from_conv(cls, conv: torch.nn.Conv2d, relu: bool = False) -> "Conv2d3x3":
+        """The fused equivalent of ``conv`` (followed by ReLU when ``relu``), sharing its values (copied)."""
+        if not isinstance(conv, torch.nn.Conv2d):
+            raise TypeError(f"Conv2d3x3.from_conv: conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
+        as_pair = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v, v)  # noqa: E731
+        if tuple(conv.kernel_size) != (3, 3):
+            raise ValueError(f"Conv2d3x3.from_conv: conv must have a 3x3 kernel, got {tuple(conv.kernel_size)}")
+        stride, padding, dilation = as_pair(conv.stride), conv.padding, as_pair(conv.dilation)
+        if isinstance(padding, str) or stride[0] != stride[1] or len(set(as_pair(padding))) != 1:
+            raise ValueError(f"Conv2d3x3.from_conv: conv needs equal integer stride and padding, got stride "
+                             f"{conv.stride} and padding {conv.padding}")
+        if dilation != (1, 1) or conv.padding_mode != "zeros":
+            raise ValueError(f"Conv2d3x3.from_conv: conv needs dilation 1 and zero padding, got dilation "
+                             f"{conv.dilation} and padding_mode {conv.padding_mode!r}")
+        padding = as_pair(padding)[0]
+        layer = cls(conv.in_channels, conv.out_channels, stride[0], padding, conv.groups, conv.bias is not None,
+                    "relu" if relu else None, device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(conv.weight)
+            if conv.bias is not None:
+                layer.bias.copy_(conv.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv2d_3x3(x, self.weight, self.bias, self.stride, self.padding, self.groups, self.activation)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, stride={self.stride}, padding={self.padding}, "
+                f"groups={self.groups}, bias={self.bias is not None}, activation={self.activation!r}")

@@ -1,0 +1,240 @@
+// CPU entry points of the conv family.
+//
+// Depthwise (groups == C): direct loops (cpu/conv_kernels.h), vectorised
+// along W (NCHW) or along the channels (NHWC), parallel over planes / rows.
+// Dense (groups == 1): per (image, tile of output pixels), in parallel:
+// im2col of the tile into a packed buffer, one GEMM (at::mm_out), then the
+// bias + ReLU epilogue as the tile's single write to the output.
+// Non-contiguous inputs take one .contiguous() in their suggested memory format.
+//
+// Backward: the ReLU mask (result > 0) is applied to grad_out by the add
+// family's fused _add_relu_backward kernel, then ATen's convolution_backward
+// computes grad x / weight / bias (oneDNN on the CPU).
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include <opforge/cpu_isa.h>
+#include <opforge/dispatch.h>
+
+#include "conv_common.h"
+#include "cpu/conv_params.h"
+
+OPFORGE_CPU_DECLARE(void, conv_dw_nchw, c10::ScalarType, const opforge::conv::DwParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_nhwc, c10::ScalarType, const opforge::conv::DwParams&)
+OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t, bool,
+                    bool)
+
+namespace {
+
+using opforge::conv::Geometry;
+
+constexpr const char* kOp = "opforge.conv2d_3x3";
+constexpr const char* kBwdOp = "opforge._conv2d_3x3_backward";
+// Packed-columns bytes per dense work item (see dense_forward).
+constexpr int64_t kTileBytes = 1 << 20;
+
+// Packs output pixels [p0, p0 + np) of one image: cols (9C, np), row (c, kh, kw)
+// holding x[c, oh*s - p + kh, ow*s - p + kw] (zeros in the padding).
+template <typename scalar_t, typename dst_t>
+void im2col_nchw_tile(const scalar_t* x, dst_t* cols, const Geometry& g, int64_t p0, int64_t np) {
+  for (int64_t r = 0; r < g.C * 9; ++r) {
+    const int64_t c = r / 9, kh = (r % 9) / 3, kw = r % 3;
+    const scalar_t* xc = x + c * g.H * g.W;
+    for (int64_t p = p0; p < p0 + np;) {
+      const int64_t oh = p / g.Wo, ow0 = p % g.Wo;
+      const int64_t ow1 = std::min<int64_t>(g.Wo, ow0 + (p0 + np - p));
+      dst_t* d = cols + r * np + (p - p0) - ow0;  // d[ow] for ow in [ow0, ow1)
+      p += ow1 - ow0;
+      const int64_t ih = oh * g.stride - g.pad + kh;
+      if (ih < 0 || ih >= g.H) {
+        std::fill(d + ow0, d + ow1, dst_t(0));
+        continue;
+      }
+      const scalar_t* xr = xc + ih * g.W;
+      if (g.stride == 1) {
+        // iw = ow - p + kw is inside the row for ow in [lo, hi).
+        const int64_t lo = std::min(ow1, std::max<int64_t>(ow0, g.pad - kw));
+        const int64_t hi = std::max(lo, std::min<int64_t>(ow1, g.W + g.pad - kw));
+        std::fill(d + ow0, d + lo, dst_t(0));
+        const scalar_t* xs = xr - g.pad + kw;
+        if constexpr (std::is_same_v<scalar_t, dst_t>) {
+          if (hi > lo) std::memcpy(d + lo, xs + lo, (hi - lo) * sizeof(scalar_t));
+        } else {
+          for (int64_t ow = lo; ow < hi; ++ow) d[ow] = static_cast<dst_t>(xs[ow]);
+        }
+        std::fill(d + hi, d + ow1, dst_t(0));
+      } else {
+        for (int64_t ow = ow0; ow < ow1; ++ow) {
+          const int64_t iw = ow * g.stride - g.pad + kw;
+          d[ow] = (iw >= 0 && iw < g.W) ? static_cast<dst_t>(xr[iw]) : dst_t(0);
+        }
+      }
+    }
+  }
+}
+
+// Packs output pixels [p0, p0 + np) of one NHWC image: cols (np, 9C), column
+// (kh, kw, c) holding x[oh*s - p + kh, ow*s - p + kw, c].
+template <typename scalar_t, typename dst_t>
+void im2col_nhwc_tile(const scalar_t* x, dst_t* cols, const Geometry& g, int64_t p0, int64_t np) {
+  const int64_t C = g.C;
+  for (int64_t p = p0; p < p0 + np; ++p) {
+    const int64_t oh = p / g.Wo, ow = p % g.Wo;
+    dst_t* d = cols + (p - p0) * 9 * C;
+    for (int64_t kh = 0; kh < 3; ++kh) {
+      const int64_t ih = oh * g.stride - g.pad + kh;
+      for (int64_t kw = 0; kw < 3; ++kw) {
+        const int64_t iw = ow * g.stride - g.pad + kw;
+        dst_t* dd = d + (kh * 3 + kw) * C;
+        if (ih < 0 || ih >= g.H || iw < 0 || iw >= g.W) {
+          std::fill(dd, dd + C, dst_t(0));
+        } else if constexpr (std::is_same_v<scalar_t, dst_t>) {
+          std::memcpy(dd, x + (ih * g.W + iw) * C, C * sizeof(scalar_t));
+        } else {
+          const scalar_t* xs = x + (ih * g.W + iw) * C;
+          for (int64_t c = 0; c < C; ++c) dd[c] = static_cast<dst_t>(xs[c]);
+        }
+      }
+    }
+  }
+}
+
+// Work items are (image, tile of output pixels), in parallel; each packs its
+// tile (about 256 KiB, so packing, GEMM and epilogue stay in cache), runs one
+// GEMM (at::mm_out, single-threaded inside the parallel region) into an
+// opmath tile, and the epilogue adds the bias, applies ReLU, rounds once and
+// writes the tile to the output (its final and only write). NCHW computes
+// W(K, 9C) @ cols(9C, np); NHWC cols(np, 9C) @ W(9C, K). Half types pack and
+// multiply in float32.
+void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu, at::Tensor& out,
+                   const Geometry& g, bool nhwc) {
+  const auto bias_act = OPFORGE_CPU_SELECT(conv_bias_act);
+  const int64_t HoWo = g.Ho * g.Wo, CK = 9 * g.C, K = g.K;
+  const auto dtype = x.scalar_type();
+  const auto op_dtype = at::toOpMathType(dtype);
+  const auto op_opts = x.options().dtype(op_dtype);
+  const at::Tensor w_op = w.to(op_dtype);
+  const at::Tensor wmat = nhwc ? w_op.permute({2, 3, 1, 0}).reshape({CK, K}).contiguous()
+                               : w_op.reshape({K, CK}).contiguous();
+  const int64_t esize = static_cast<int64_t>(c10::elementSize(op_dtype));
+  int64_t tp = std::max<int64_t>(16, (kTileBytes / esize) / std::max<int64_t>(1, CK));
+  tp = std::min<int64_t>(HoWo, (tp + 15) / 16 * 16);
+  const int64_t tiles = (HoWo + tp - 1) / tp;
+  const void* bptr = bias.defined() ? bias.const_data_ptr() : nullptr;
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv2d_3x3_dense_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const auto* xp = x.const_data_ptr<scalar_t>();
+    auto* op = out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, g.N * tiles, 1, [&](int64_t begin, int64_t end) {
+      std::vector<opmath_t> cols_buf(CK * tp), acc_buf(K * tp);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t n = item / tiles, p0 = (item % tiles) * tp, np = std::min(tp, HoWo - p0);
+        const scalar_t* xn = xp + n * g.C * g.H * g.W;
+        if (nhwc) {
+          im2col_nhwc_tile<scalar_t, opmath_t>(xn, cols_buf.data(), g, p0, np);
+          at::Tensor cols = at::from_blob(cols_buf.data(), {np, CK}, op_opts);
+          at::Tensor acc = at::from_blob(acc_buf.data(), {np, K}, op_opts);
+          at::mm_out(acc, cols, wmat);
+          bias_act(dtype, acc_buf.data(), op + (n * HoWo + p0) * K, bptr, np, K, K, false, relu);
+        } else {
+          im2col_nchw_tile<scalar_t, opmath_t>(xn, cols_buf.data(), g, p0, np);
+          at::Tensor cols = at::from_blob(cols_buf.data(), {CK, np}, op_opts);
+          at::Tensor acc = at::from_blob(acc_buf.data(), {K, np}, op_opts);
+          at::mm_out(acc, wmat, cols);
+          bias_act(dtype, acc_buf.data(), op + n * K * HoWo + p0, bptr, K, np, HoWo, true, relu);
+        }
+      }
+    });
+  });
+}
+
+at::Tensor conv2d_3x3_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in,
+                          int64_t stride, int64_t padding, int64_t groups, bool relu) {
+  const Geometry g = opforge::conv::check_conv_args(kOp, x_in, w_in, bias_in, stride, padding, groups);
+  const auto fmt = opforge::conv::out_format(x_in);
+  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
+  at::Tensor out = at::empty({g.N, g.K, g.Ho, g.Wo}, x_in.options().memory_format(fmt));
+  if (out.numel() == 0) return out;
+  const at::Tensor x = x_in.contiguous(fmt);
+  const at::Tensor w = w_in.contiguous();
+  const at::Tensor bias = (bias_in.has_value() && bias_in->defined()) ? bias_in->contiguous() : at::Tensor();
+  if (g.depthwise) {
+    opforge::conv::DwParams p{g.N, g.C, g.H, g.W, g.K, g.Ho, g.Wo, g.stride, g.pad, g.mult, relu,
+                              x.const_data_ptr(), w.const_data_ptr(),
+                              bias.defined() ? bias.const_data_ptr() : nullptr, out.data_ptr()};
+    if (nhwc) {
+      OPFORGE_CPU_SELECT(conv_dw_nhwc)(x.scalar_type(), p);
+    } else {
+      OPFORGE_CPU_SELECT(conv_dw_nchw)(x.scalar_type(), p);
+    }
+  } else {
+    dense_forward(x, w, bias, relu, out, g, nhwc);
+  }
+  return out;
+}
+
+}  // namespace
+
+namespace opforge::conv {
+
+// grad_out * (result > 0) through the add family's fused kernel (any device).
+at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("opforge::_add_relu_backward", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(grad_out, result);
+}
+
+// The backward through ATen's convolution_backward on the (masked) gradient;
+// used by the CPU, and by CUDA for the dense case.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tensor& grad_out,
+                                                                 const c10::optional<at::Tensor>& result,
+                                                                 const at::Tensor& x, const at::Tensor& w,
+                                                                 const Geometry& g, std::array<bool, 3> mask) {
+  const at::Tensor g_m = (result.has_value() && result->defined()) ? relu_masked_grad(grad_out, *result) : grad_out;
+  auto empty = [&] { return at::empty({0}, x.options()); };
+  if (!(mask[0] || mask[1] || mask[2])) return {empty(), empty(), empty()};
+  at::Tensor gx, gw, gb;
+  const auto dtype = x.scalar_type();
+  if (x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16) && x.numel() > 0 && g_m.numel() > 0) {
+    // oneDNN's half-precision CPU backward rounds partial sums; compute in
+    // float32 and round once, as the forward does.
+    auto r = backward_via_aten(g_m.to(at::kFloat), c10::nullopt, x.to(at::kFloat), w.to(at::kFloat), g, mask);
+    return {std::get<0>(r).to(dtype), std::get<1>(r).to(dtype), std::get<2>(r).to(dtype)};
+  }
+  if (x.numel() == 0 || g_m.numel() == 0) {
+    gx = at::zeros_like(x);
+    gw = at::zeros_like(w);
+    gb = at::zeros({g.K}, x.options());
+  } else {
+    std::vector<int64_t> bias_sizes{g.K};
+    std::tie(gx, gw, gb) = at::convolution_backward(g_m, x, w, at::OptionalIntArrayRef(bias_sizes), {g.stride, g.stride},
+                                                    {g.pad, g.pad}, {1, 1}, false, {0, 0}, g.groups, mask);
+  }
+  // Layouts as the fake kernel states: grad x in x's format, grad weight contiguous.
+  return {mask[0] ? gx.contiguous(out_format(x)) : empty(), mask[1] ? gw.contiguous() : empty(),
+          mask[2] ? gb.contiguous() : empty()};
+}
+
+}  // namespace opforge::conv
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& result, const at::Tensor& x, const at::Tensor& w,
+    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
+  const Geometry g = opforge::conv::check_conv_args(kBwdOp, x, w, c10::nullopt, stride, padding, groups);
+  opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, g);
+  return opforge::conv::backward_via_aten(grad_out, result, x, w, g, mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CPU, m) {
+  m.impl("conv2d_3x3", &conv2d_3x3_cpu);
+  m.impl("_conv2d_3x3_backward", &conv2d_3x3_backward_cpu);
+}

@@ -1,0 +1,5 @@
+// The conv family's CPU loops built for AVX2.
+#define OPFORGE_ISA_AVX2
+#include <opforge/cpu_isa_begin.h>
+
+#include "cpu/conv_kernels.h"

@@ -1,0 +1,4 @@
+// The conv family's CPU loops built for DEFAULT.
+#include <opforge/cpu_isa_begin.h>
+
+#include "cpu/conv_kernels.h"

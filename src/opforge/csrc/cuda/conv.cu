@@ -1,0 +1,166 @@
+// CUDA entry points of the conv family.
+//
+// Depthwise (groups == C): the direct kernels of cuda/conv_depthwise.cu,
+// forward and backward (grad x, grad weight, grad bias with the ReLU mask
+// applied as grad_out is read).
+// Dense (groups == 1): the tensor-core implicit GEMM of
+// cuda/conv3x3_dense_mma.cu when it takes the case; otherwise (fallback) ATen's
+// convolution (cuDNN, honouring torch.backends.cudnn.allow_tf32 for float32
+// exactly like F.conv2d) followed by ONE fused bias + ReLU epilogue kernel,
+// in place on cuDNN's output (16-byte vectors when aligned). Dense backward:
+// the masked gradient, then ATen's convolution_backward (cuDNN).
+// Inputs take one .contiguous() in x's memory format (a no-op for contiguous
+// and channels_last tensors).
+#include <ATen/Functions.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <opforge/cuda_launch.cuh>
+#include <opforge/cuda_vec.cuh>
+#include <opforge/dispatch.h>
+
+#include "conv_common.h"
+#include "cuda/conv3x3_dense_mma.h"
+#include "cuda/conv_depthwise.h"
+
+namespace {
+
+using opforge::conv::Geometry;
+using opforge::cuda::AlignedVec;
+
+constexpr const char* kOp = "opforge.conv2d_3x3";
+constexpr const char* kBwdOp = "opforge._conv2d_3x3_backward";
+constexpr int kThreads = 256;
+
+// y = act(y + bias[channel]) in place over (N, K, Ho, Wo) stored NCHW (channel
+// of flat index i: (i / HoWo) % K) or NHWC (i % K). V elements per thread step.
+template <typename scalar_t, int V, bool kNhwc>
+__global__ void __launch_bounds__(kThreads) bias_act_kernel(scalar_t* __restrict__ y, const scalar_t* __restrict__ bias,
+                                                            int64_t n, int64_t K, int64_t HoWo, bool relu) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t nv = n / V;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < nv; v += step) {
+    const int64_t i0 = v * V;
+    auto val = reinterpret_cast<AlignedVec<scalar_t, V>*>(y)[v];
+    int64_t k, r = 0;
+    if (kNhwc) {
+      k = i0 % K;
+    } else {
+      k = (i0 / HoWo) % K;
+      r = i0 % HoWo;
+    }
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      opmath_t a = static_cast<opmath_t>(val.val[e]);
+      if (bias != nullptr) a += static_cast<opmath_t>(bias[k]);
+      if (relu) a = a < opmath_t(0) ? opmath_t(0) : a;
+      val.val[e] = static_cast<scalar_t>(a);
+      if (kNhwc) {
+        if (++k == K) k = 0;
+      } else if (++r == HoWo) {
+        r = 0;
+        if (++k == K) k = 0;
+      }
+    }
+    reinterpret_cast<AlignedVec<scalar_t, V>*>(y)[v] = val;
+  }
+  // Tail of fewer than V elements.
+  const int64_t t = nv * V + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < n) {
+    const int64_t k = kNhwc ? t % K : (t / HoWo) % K;
+    opmath_t a = static_cast<opmath_t>(y[t]);
+    if (bias != nullptr) a += static_cast<opmath_t>(bias[k]);
+    if (relu) a = a < opmath_t(0) ? opmath_t(0) : a;
+    y[t] = static_cast<scalar_t>(a);
+  }
+}
+
+template <typename scalar_t, int V>
+void launch_bias_act(scalar_t* y, const scalar_t* b, int64_t n, int64_t K, int64_t HoWo, bool relu, bool nhwc) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t blocks = opforge::cuda::grid_for(std::max<int64_t>(n / V, n % V), kThreads);
+  if (nhwc) {
+    bias_act_kernel<scalar_t, V, true><<<blocks, kThreads, 0, stream>>>(y, b, n, K, HoWo, relu);
+  } else {
+    bias_act_kernel<scalar_t, V, false><<<blocks, kThreads, 0, stream>>>(y, b, n, K, HoWo, relu);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The dense fallback's epilogue: one pass over cuDNN's output.
+void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, bool relu, bool nhwc, const Geometry& g) {
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  OPFORGE_DISPATCH_FLOATING_TYPES(y.scalar_type(), "conv2d_3x3_bias_act", [&] {
+    auto* yp = y.mutable_data_ptr<scalar_t>();
+    const auto* bp = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+    constexpr int V = opforge::cuda::vec_width<scalar_t>();
+    if (opforge::cuda::is_aligned(yp, 16)) {
+      launch_bias_act<scalar_t, V>(yp, bp, n, g.K, g.Ho * g.Wo, relu, nhwc);
+    } else {
+      launch_bias_act<scalar_t, 1>(yp, bp, n, g.K, g.Ho * g.Wo, relu, nhwc);
+    }
+  });
+}
+
+at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in,
+                           int64_t stride, int64_t padding, int64_t groups, bool relu) {
+  const Geometry g = opforge::conv::check_conv_args(kOp, x_in, w_in, bias_in, stride, padding, groups);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const auto fmt = opforge::conv::out_format(x_in);
+  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
+  at::Tensor out = at::empty({g.N, g.K, g.Ho, g.Wo}, x_in.options().memory_format(fmt));
+  if (out.numel() == 0) return out;
+  const at::Tensor x = x_in.contiguous(fmt);
+  const at::Tensor w = w_in.contiguous();
+  const at::Tensor bias = (bias_in.has_value() && bias_in->defined()) ? bias_in->contiguous() : at::Tensor();
+  if (g.depthwise) {
+    opforge::conv::depthwise_forward_cuda(x, w, bias, relu, out, g, nhwc);
+    return out;
+  }
+  if (opforge::conv::conv3x3_dense_forward_mma(x, w, bias, stride, padding, relu, out)) return out;
+  // Fallback: cuDNN, then one fused bias + ReLU pass.
+  at::Tensor y = at::convolution(x, w, c10::nullopt, {stride, stride}, {padding, padding}, {1, 1}, false, {0, 0}, 1);
+  if (!y.is_contiguous(fmt)) y = y.contiguous(fmt);
+  if (bias.defined() || relu) bias_act_cuda(y, bias, relu, nhwc, g);
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& result, const at::Tensor& x_in, const at::Tensor& w_in,
+    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
+  const Geometry g = opforge::conv::check_conv_args(kBwdOp, x_in, w_in, c10::nullopt, stride, padding, groups);
+  opforge::conv::check_backward_args(kBwdOp, grad_out, result, x_in, g);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  if (!g.depthwise) return opforge::conv::backward_via_aten(grad_out, result, x_in, w_in, g, mask);
+  const auto fmt = opforge::conv::out_format(x_in);
+  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
+  const at::Tensor x = x_in.contiguous(fmt);
+  const at::Tensor w = w_in.contiguous();
+  const at::Tensor go = grad_out.contiguous(fmt);
+  const at::Tensor res = (result.has_value() && result->defined()) ? result->contiguous(fmt) : at::Tensor();
+  auto empty = [&] { return at::empty({0}, x.options()); };
+  at::Tensor gx = mask[0] ? at::empty(x.sizes(), x.options().memory_format(fmt)) : empty();
+  at::Tensor gw = mask[1] ? at::empty(w.sizes(), w.options()) : at::Tensor();
+  at::Tensor gb = mask[2] ? at::empty({g.K}, x.options()) : at::Tensor();
+  if (go.numel() == 0) {
+    if (mask[0]) gx.zero_();
+    if (mask[1]) gw.zero_();
+    if (mask[2]) gb.zero_();
+  } else {
+    if (mask[0]) opforge::conv::depthwise_backward_input_cuda(go, res, w, gx, g, nhwc);
+    if (mask[1] || mask[2]) opforge::conv::depthwise_backward_weight_cuda(go, res, x, gw, gb, g, nhwc);
+  }
+  return {gx, mask[1] ? gw : empty(), mask[2] ? gb : empty()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
+  m.impl("conv2d_3x3", &conv2d_3x3_cuda);
+  m.impl("_conv2d_3x3_backward", &conv2d_3x3_backward_cuda);
+}

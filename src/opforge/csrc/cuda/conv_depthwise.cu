@@ -1,0 +1,626 @@
+// Depthwise 3x3 convolution on CUDA: direct kernels, memory-bound by design.
+//
+// Forward, NCHW: one block per (image, input channel, tile of output rows x
+// columns). The input tile with its halo is staged in shared memory (opmath)
+// with 16-byte global loads along W where the row is aligned (scalar loads
+// for the halo and unaligned rows); each thread then computes V consecutive
+// outputs of a row for every channel multiplier from a window read with
+// vector shared-memory loads, adds the bias, applies ReLU and stores V
+// values at once (16 bytes when aligned).
+// Forward, NHWC: one block per (image, tile of 8x8 or 4x8 output pixels,
+// chunk of input channels); the tile is staged with 16-byte loads along C and
+// each thread computes V consecutive output channels of one pixel.
+// Backward: grad x is a gather (the flipped kernel, stride-aware), one thread
+// per input element with the ReLU mask applied as grad_out is read; grad
+// weight and grad bias are per-channel reductions: block reductions into a
+// (K, splits, 10) partial buffer, then one small kernel sums the splits in a
+// fixed order (deterministic, no atomics).
+#include <ATen/Functions.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <opforge/cuda_launch.cuh>
+#include <opforge/cuda_vec.cuh>
+#include <opforge/dispatch.h>
+
+#include "cuda/conv_depthwise.h"
+
+namespace opforge::conv {
+namespace {
+
+using opforge::cuda::AlignedVec;
+
+constexpr int kThreads = 256;
+
+struct DwArgs {
+  int64_t N, C, H, W, K, Ho, Wo;
+  int pad, mult;
+  bool relu;
+  // NCHW tiling
+  int toh, tow, tiles_h, tiles_w, pitch, tih;
+  bool store_vec;
+  // NHWC tiling
+  int cb, chunks;
+};
+
+// Copies V consecutive values between aligned shared-memory (or register)
+// locations in accesses of at most 16 bytes (the dynamic shared memory base is
+// only guaranteed 16-byte alignment).
+template <typename T, int V>
+struct SmemVec {
+  static constexpr int R = (V * sizeof(T) > 16) ? static_cast<int>(16 / sizeof(T)) : V;
+  __device__ __forceinline__ static void load(const T* src, T* dst) {
+#pragma unroll
+    for (int q = 0; q < V / R; ++q) {
+      const auto v = reinterpret_cast<const AlignedVec<T, R>*>(src)[q];
+#pragma unroll
+      for (int e = 0; e < R; ++e) dst[q * R + e] = v.val[e];
+    }
+  }
+  __device__ __forceinline__ static void store(const T* src, T* dst) {
+#pragma unroll
+    for (int q = 0; q < V / R; ++q) {
+      AlignedVec<T, R> v;
+#pragma unroll
+      for (int e = 0; e < R; ++e) v.val[e] = src[q * R + e];
+      reinterpret_cast<AlignedVec<T, R>*>(dst)[q] = v;
+    }
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ T relu_op(T v) {
+  return v < T(0) ? T(0) : v;  // NaN stays NaN
+}
+
+// ---------------------------------------------------------------- forward NCHW
+
+template <typename scalar_t, int V, int S>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nchw(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
+                                                        const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
+                                                        DwArgs a) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  opmath_t* tile = reinterpret_cast<opmath_t*>(smem_raw);
+  opmath_t* ws = tile + static_cast<int64_t>(a.tih) * a.pitch;  // mult * 9 weights, then mult biases
+
+  int64_t bid = blockIdx.x;
+  const int tw = static_cast<int>(bid % a.tiles_w);
+  bid /= a.tiles_w;
+  const int th = static_cast<int>(bid % a.tiles_h);
+  const int64_t nc = bid / a.tiles_h;
+  const int64_t n = nc / a.C, c = nc % a.C;
+  const int64_t H = a.H, W = a.W;
+  const int oh0 = th * a.toh, ow0 = tw * a.tow;
+  const int toh = min(a.toh, static_cast<int>(a.Ho - oh0));
+  const int tow = min(a.tow, static_cast<int>(a.Wo - ow0));
+  const int tih = (toh - 1) * S + 3;
+  const int tiw = (a.tow - 1) * S + 3;  // staged width (columns past the image are zeros)
+  const int64_t ih0 = static_cast<int64_t>(oh0) * S - a.pad;
+  const int64_t iw0 = static_cast<int64_t>(ow0) * S - a.pad;
+  const scalar_t* xp = x + nc * H * W;
+
+  // Weights and biases of this input channel's outputs.
+  for (int i = threadIdx.x; i < a.mult * 10; i += blockDim.x) {
+    if (i < a.mult * 9) {
+      ws[i] = static_cast<opmath_t>(w[c * a.mult * 9 + i]);
+    } else {
+      const int j = i - a.mult * 9;
+      ws[i] = b ? static_cast<opmath_t>(b[c * a.mult + j]) : opmath_t(0);
+    }
+  }
+
+  // Stage the input tile: aligned interior columns [c0, c1) by V-wide loads,
+  // the rest (halo, zeros past the border) one by one.
+  int64_t c0 = iw0 > 0 ? iw0 : 0;
+  c0 = (c0 + V - 1) / V * V;
+  int64_t c1 = (iw0 + tiw < W ? iw0 + tiw : W) / V * V;
+  int nvec = c1 > c0 ? static_cast<int>((c1 - c0) / V) : 0;
+  if (nvec == 0) c0 = c1 = iw0;
+  const int lead = static_cast<int>(c0 - iw0);
+  const int nscalar = tiw - nvec * V;
+  for (int i = threadIdx.x; i < tih * nvec; i += blockDim.x) {
+    const int r = i / nvec, v = i % nvec;
+    const int64_t ih = ih0 + r;
+    opmath_t* dst = tile + r * a.pitch + lead + v * V;
+    if (ih >= 0 && ih < H) {
+      const auto val = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(xp + ih * W + c0 + v * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) dst[e] = static_cast<opmath_t>(val.val[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) dst[e] = opmath_t(0);
+    }
+  }
+  for (int i = threadIdx.x; i < tih * nscalar; i += blockDim.x) {
+    const int r = i / nscalar, j = i % nscalar;
+    const int64_t col = j < lead ? iw0 + j : c1 + (j - lead);
+    const int64_t ih = ih0 + r;
+    opmath_t v = opmath_t(0);
+    if (ih >= 0 && ih < H && col >= 0 && col < W) v = static_cast<opmath_t>(xp[ih * W + col]);
+    tile[r * a.pitch + (col - iw0)] = v;
+  }
+  __syncthreads();
+
+  // Each item: V consecutive outputs of one row. The window of input
+  // columns it needs, [ow*S, ow*S + V*S + 2), is read as NW aligned vectors.
+  constexpr int NW = (V * S + 2 + V - 1) / V;
+  const int ngw = (tow + V - 1) / V;
+  for (int item = threadIdx.x; item < toh * ngw; item += blockDim.x) {
+    const int r = item / ngw, gcol = item % ngw;
+    const int owl = gcol * V;  // first output column of the item, in the tile
+    opmath_t win[3][NW * V];
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh) {
+      const opmath_t* src = tile + (r * S + kh) * a.pitch + owl * S;
+#pragma unroll
+      for (int q = 0; q < NW; ++q) SmemVec<opmath_t, V>::load(src + q * V, &win[kh][q * V]);
+    }
+    const int64_t oh = oh0 + r;
+    const int64_t ow = ow0 + owl;
+    const int valid = min(V, tow - owl);
+    for (int j = 0; j < a.mult; ++j) {
+      const opmath_t* wk = ws + j * 9;
+      const opmath_t bk = ws[a.mult * 9 + j];
+      AlignedVec<scalar_t, V> res;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        opmath_t acc = bk;
+#pragma unroll
+        for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw) acc += wk[kh * 3 + kw] * win[kh][e * S + kw];
+        if (a.relu) acc = relu_op(acc);
+        res.val[e] = static_cast<scalar_t>(acc);
+      }
+      scalar_t* op = out + ((n * a.K + c * a.mult + j) * a.Ho + oh) * a.Wo + ow;
+      if (a.store_vec && valid == V) {
+        *reinterpret_cast<AlignedVec<scalar_t, V>*>(op) = res;
+      } else {
+        for (int e = 0; e < valid; ++e) op[e] = res.val[e];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- forward NHWC
+
+template <int S>
+struct NhwcTile {
+  static constexpr int OH = S == 1 ? 8 : 4, OW = 8;
+  static constexpr int IH = (OH - 1) * S + 3, IW = (OW - 1) * S + 3;
+};
+
+template <typename scalar_t, int V, int S>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
+                                                        const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
+                                                        DwArgs a) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using T = NhwcTile<S>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int cb = a.cb;                 // staged input channels (multiple of V)
+  const int kb = cb * a.mult;          // output channels of the chunk
+  opmath_t* tile = reinterpret_cast<opmath_t*>(smem_raw);       // [IH][IW][cb]
+  opmath_t* ws = tile + T::IH * T::IW * cb;                       // [9][kb]
+  opmath_t* bs = ws + 9 * kb;                                     // [kb]
+
+  int64_t bid = blockIdx.x;
+  const int chunk = static_cast<int>(bid % a.chunks);
+  bid /= a.chunks;
+  const int tw = static_cast<int>(bid % a.tiles_w);
+  bid /= a.tiles_w;
+  const int th = static_cast<int>(bid % a.tiles_h);
+  const int64_t n = bid / a.tiles_h;
+  const int64_t C = a.C, K = a.K, H = a.H, W = a.W;
+  const int64_t cin0 = static_cast<int64_t>(chunk) * cb;
+  const int cba = static_cast<int>(C - cin0 < cb ? C - cin0 : cb);  // channels in this chunk
+  const int kba = cba * a.mult;
+  const int64_t k0 = cin0 * a.mult;
+  const int oh0 = th * T::OH, ow0 = tw * T::OW;
+  const int64_t ih0 = static_cast<int64_t>(oh0) * S - a.pad, iw0 = static_cast<int64_t>(ow0) * S - a.pad;
+
+  for (int i = threadIdx.x; i < 10 * kba; i += blockDim.x) {
+    if (i < 9 * kba) {
+      const int t = i / kba, kk = i % kba;
+      ws[t * kb + kk] = static_cast<opmath_t>(w[(k0 + kk) * 9 + t]);
+    } else {
+      const int kk = i - 9 * kba;
+      bs[kk] = b ? static_cast<opmath_t>(b[k0 + kk]) : opmath_t(0);
+    }
+  }
+  const int cvec = cba / V;
+  for (int i = threadIdx.x; i < T::IH * T::IW * cvec; i += blockDim.x) {
+    const int v = i % cvec, pix = i / cvec;
+    const int r = pix / T::IW, q = pix % T::IW;
+    const int64_t ih = ih0 + r, iw = iw0 + q;
+    opmath_t* dst = tile + pix * cb + v * V;
+    opmath_t o[V];
+    if (ih >= 0 && ih < H && iw >= 0 && iw < W) {
+      const auto val = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(x + ((n * H + ih) * W + iw) * C + cin0 + v * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) o[e] = static_cast<opmath_t>(val.val[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) o[e] = opmath_t(0);
+    }
+    SmemVec<opmath_t, V>::store(o, dst);
+  }
+  __syncthreads();
+
+  const int kvec = kba / V;
+  for (int i = threadIdx.x; i < T::OH * T::OW * kvec; i += blockDim.x) {
+    const int g = i % kvec, pix = i / kvec;
+    const int r = pix / T::OW, q = pix % T::OW;
+    const int64_t oh = oh0 + r, ow = ow0 + q;
+    if (oh >= a.Ho || ow >= a.Wo) continue;
+    const int kk0 = g * V;
+    opmath_t acc[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] = bs[kk0 + e];
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh) {
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) {
+        const opmath_t* src = tile + ((r * S + kh) * T::IW + q * S + kw) * cb;
+        opmath_t wv[V];
+        SmemVec<opmath_t, V>::load(ws + (kh * 3 + kw) * kb + kk0, wv);
+        if (a.mult == 1) {
+          opmath_t xv[V];
+          SmemVec<opmath_t, V>::load(src + kk0, xv);
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] += wv[e] * xv[e];
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) acc[e] += wv[e] * src[(kk0 + e) / a.mult];
+        }
+      }
+    }
+    AlignedVec<scalar_t, V> res;
+#pragma unroll
+    for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_op(acc[e]) : acc[e]);
+    *reinterpret_cast<AlignedVec<scalar_t, V>*>(out + ((n * a.Ho + oh) * a.Wo + ow) * K + k0 + kk0) = res;
+  }
+}
+
+// ---------------------------------------------------------------- backward: grad x
+
+// One thread per element of grad x (in x's layout order):
+// gx[n,c,ih,iw] = sum_j sum_{kh,kw} g'[n, c*m+j, oh, ow] * w[c*m+j, kh, kw]
+// where oh*S = ih + pad - kh, ow*S = iw + pad - kw, g' = g * (result > 0).
+template <typename scalar_t, bool kNhwc>
+__global__ void __launch_bounds__(kThreads) dw_bwd_input(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                                                         const scalar_t* __restrict__ w, scalar_t* __restrict__ gx,
+                                                         DwArgs a, int S, int64_t total) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+    int64_t n, c, ih, iw, rem = idx;
+    if (kNhwc) {
+      c = rem % a.C; rem /= a.C;
+      iw = rem % a.W; rem /= a.W;
+      ih = rem % a.H; n = rem / a.H;
+    } else {
+      iw = rem % a.W; rem /= a.W;
+      ih = rem % a.H; rem /= a.H;
+      c = rem % a.C; n = rem / a.C;
+    }
+    opmath_t acc = opmath_t(0);
+    for (int kh = 0; kh < 3; ++kh) {
+      const int64_t th = ih + a.pad - kh;
+      if (th < 0 || th % S != 0) continue;
+      const int64_t oh = th / S;
+      if (oh >= a.Ho) continue;
+      for (int kw = 0; kw < 3; ++kw) {
+        const int64_t tw = iw + a.pad - kw;
+        if (tw < 0 || tw % S != 0) continue;
+        const int64_t ow = tw / S;
+        if (ow >= a.Wo) continue;
+        for (int j = 0; j < a.mult; ++j) {
+          const int64_t k = c * a.mult + j;
+          const int64_t off = kNhwc ? ((n * a.Ho + oh) * a.Wo + ow) * a.K + k : ((n * a.K + k) * a.Ho + oh) * a.Wo + ow;
+          opmath_t gv = static_cast<opmath_t>(g[off]);
+          if (res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0))) gv = opmath_t(0);
+          acc += gv * static_cast<opmath_t>(w[k * 9 + kh * 3 + kw]);
+        }
+      }
+    }
+    gx[idx] = static_cast<scalar_t>(acc);
+  }
+}
+
+// ---------------------------------------------------------------- backward: grad weight / bias
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// NCHW: block (k, split); threads stride over the split's (n, oh, ow) items
+// (ow fastest: coalesced). Partials: part[(k * splits + split) * 10 + t].
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                                                               const scalar_t* __restrict__ x,
+                                                               at::opmath_type<scalar_t>* __restrict__ part, DwArgs a,
+                                                               int S, int splits, int64_t per_split) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t k = blockIdx.x;
+  const int split = blockIdx.y;
+  const int64_t c = k / a.mult;
+  const int64_t HoWo = a.Ho * a.Wo, items = a.N * HoWo;
+  const int64_t begin = split * per_split, end = begin + per_split < items ? begin + per_split : items;
+  opmath_t acc[10];
+#pragma unroll
+  for (int t = 0; t < 10; ++t) acc[t] = opmath_t(0);
+  for (int64_t it = begin + threadIdx.x; it < end; it += blockDim.x) {
+    const int64_t n = it / HoWo, p = it % HoWo, oh = p / a.Wo, ow = p % a.Wo;
+    const int64_t off = (n * a.K + k) * HoWo + p;
+    opmath_t gv = static_cast<opmath_t>(g[off]);
+    if (res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0))) gv = opmath_t(0);
+    const scalar_t* xp = x + (n * a.C + c) * a.H * a.W;
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh) {
+      const int64_t ih = oh * S - a.pad + kh;
+      const bool row_ok = ih >= 0 && ih < a.H;
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) {
+        const int64_t iw = ow * S - a.pad + kw;
+        if (row_ok && iw >= 0 && iw < a.W) acc[kh * 3 + kw] += gv * static_cast<opmath_t>(xp[ih * a.W + iw]);
+      }
+    }
+    acc[9] += gv;
+  }
+  __shared__ opmath_t red[kThreads / 32][10];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int t = 0; t < 10; ++t) {
+    const opmath_t v = warp_sum(acc[t]);
+    if (lane == 0) red[warp][t] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < 10) {
+    opmath_t s = opmath_t(0);
+    for (int q = 0; q < static_cast<int>(blockDim.x / 32); ++q) s += red[q][threadIdx.x];
+    part[(k * splits + split) * 10 + threadIdx.x] = s;
+  }
+}
+
+// NHWC: block (chunk of 32 output channels, split); threadIdx.x is the channel
+// (coalesced along C), threadIdx.y (8) strides over the split's pixels.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nhwc(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                                                               const scalar_t* __restrict__ x,
+                                                               at::opmath_type<scalar_t>* __restrict__ part, DwArgs a,
+                                                               int S, int splits, int64_t per_split) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const int split = blockIdx.y;
+  const bool active = k < a.K;
+  const int64_t c = active ? k / a.mult : 0;
+  const int64_t HoWo = a.Ho * a.Wo, items = a.N * HoWo;
+  const int64_t begin = split * per_split, end = begin + per_split < items ? begin + per_split : items;
+  opmath_t acc[10];
+#pragma unroll
+  for (int t = 0; t < 10; ++t) acc[t] = opmath_t(0);
+  if (active) {
+    for (int64_t it = begin + threadIdx.y; it < end; it += blockDim.y) {
+      const int64_t n = it / HoWo, p = it % HoWo, oh = p / a.Wo, ow = p % a.Wo;
+      const int64_t off = it * a.K + k;
+      opmath_t gv = static_cast<opmath_t>(g[off]);
+      if (res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0))) gv = opmath_t(0);
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh) {
+        const int64_t ih = oh * S - a.pad + kh;
+        const bool row_ok = ih >= 0 && ih < a.H;
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) {
+          const int64_t iw = ow * S - a.pad + kw;
+          if (row_ok && iw >= 0 && iw < a.W)
+            acc[kh * 3 + kw] += gv * static_cast<opmath_t>(x[((n * a.H + ih) * a.W + iw) * a.C + c]);
+        }
+      }
+      acc[9] += gv;
+    }
+  }
+  __shared__ opmath_t red[8][10][33];
+#pragma unroll
+  for (int t = 0; t < 10; ++t) red[threadIdx.y][t][threadIdx.x] = acc[t];
+  __syncthreads();
+  // 320 (channel, value) sums over the 8 rows, by the 256 threads.
+  for (int i = threadIdx.y * 32 + threadIdx.x; i < 320; i += 256) {
+    const int t = i / 32, lane = i % 32;
+    const int64_t kk = static_cast<int64_t>(blockIdx.x) * 32 + lane;
+    if (kk < a.K) {
+      opmath_t s = opmath_t(0);
+      for (int q = 0; q < 8; ++q) s += red[q][t][lane];
+      part[(kk * splits + split) * 10 + t] = s;
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void dw_bwd_weight_finish(const at::opmath_type<scalar_t>* __restrict__ part, scalar_t* __restrict__ gw,
+                                     scalar_t* __restrict__ gb, int64_t K, int splits) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= K * 10) return;
+  const int64_t k = i / 10;
+  const int t = static_cast<int>(i % 10);
+  opmath_t s = opmath_t(0);
+  for (int q = 0; q < splits; ++q) s += part[(k * splits + q) * 10 + t];
+  if (t < 9) {
+    if (gw != nullptr) gw[k * 9 + t] = static_cast<scalar_t>(s);
+  } else if (gb != nullptr) {
+    gb[k] = static_cast<scalar_t>(s);
+  }
+}
+
+// Largest V (elements per access, at most 16 bytes) dividing `multiple_of`
+// with every pointer aligned to V elements.
+template <typename scalar_t>
+int pick_vec(int64_t multiple_of, std::initializer_list<const void*> ptrs) {
+  for (int v = static_cast<int>(16 / sizeof(scalar_t)); v > 1; v /= 2) {
+    bool ok = multiple_of % v == 0;
+    for (const void* p : ptrs) ok = ok && opforge::cuda::is_aligned(p, v * sizeof(scalar_t));
+    if (ok) return v;
+  }
+  return 1;
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  }
+}
+
+template <typename scalar_t, int V>
+void launch_fwd_v(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* out, const DwArgs& a, int S,
+                  bool nhwc, int64_t blocks, size_t smem, cudaStream_t stream) {
+  if (nhwc) {
+    auto kernel = S == 1 ? dw_fwd_nhwc<scalar_t, V, 1> : dw_fwd_nhwc<scalar_t, V, 2>;
+    set_smem(kernel, smem);
+    kernel<<<blocks, kThreads, smem, stream>>>(x, w, b, out, a);
+  } else {
+    auto kernel = S == 1 ? dw_fwd_nchw<scalar_t, V, 1> : dw_fwd_nchw<scalar_t, V, 2>;
+    set_smem(kernel, smem);
+    kernel<<<blocks, kThreads, smem, stream>>>(x, w, b, out, a);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+DwArgs base_args(const Geometry& g) {
+  DwArgs a{};
+  a.N = g.N; a.C = g.C; a.H = g.H; a.W = g.W; a.K = g.K; a.Ho = g.Ho; a.Wo = g.Wo;
+  a.pad = static_cast<int>(g.pad);
+  a.mult = static_cast<int>(g.mult);
+  return a;
+}
+
+}  // namespace
+
+void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu,
+                            at::Tensor& out, const Geometry& g, bool nhwc) {
+  TORCH_CHECK(g.N <= INT32_MAX && g.Ho <= INT32_MAX / 2 && g.Wo <= INT32_MAX / 2,
+              "opforge.conv2d_3x3: tensor too large for the depthwise CUDA kernel");
+  auto stream = at::cuda::getCurrentCUDAStream();
+  DwArgs a = base_args(g);
+  a.relu = relu;
+  const int S = static_cast<int>(g.stride);
+  OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const auto* xp = x.const_data_ptr<scalar_t>();
+    const auto* wp = w.const_data_ptr<scalar_t>();
+    const auto* bp = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
+    auto* op = out.mutable_data_ptr<scalar_t>();
+    int V;
+    int64_t blocks;
+    size_t smem;
+    if (nhwc) {
+      // V along the channels: C % V == 0 (then K = C * m too).
+      V = pick_vec<scalar_t>(g.C, {xp, op});
+      const int oh_t = S == 1 ? 8 : 4, ow_t = 8;
+      const int ih_t = (oh_t - 1) * S + 3, iw_t = (ow_t - 1) * S + 3;
+      const int base = sizeof(opmath_t) == 8 ? 32 : 64;
+      int cb = static_cast<int>(std::min<int64_t>(g.C, std::max<int64_t>(V, base / std::max<int64_t>(1, g.mult))));
+      cb = std::max(V, cb / V * V);
+      a.cb = cb;
+      a.chunks = static_cast<int>((g.C + cb - 1) / cb);
+      a.tiles_h = static_cast<int>((g.Ho + oh_t - 1) / oh_t);
+      a.tiles_w = static_cast<int>((g.Wo + ow_t - 1) / ow_t);
+      blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
+      smem = sizeof(opmath_t) * (static_cast<size_t>(ih_t) * iw_t * cb + 10 * static_cast<size_t>(cb) * g.mult);
+    } else {
+      // V along W: loads need W % V == 0, stores Wo % V == 0 (else scalar stores).
+      V = pick_vec<scalar_t>(g.W, {xp});
+      a.tow = static_cast<int>(g.Wo <= 128 ? g.Wo : 64);
+      const int max_out = sizeof(opmath_t) == 8 ? 1024 : 2048;
+      int toh = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(g.Ho, max_out / a.tow)));
+      const int64_t th = (g.Ho + toh - 1) / toh;
+      toh = static_cast<int>((g.Ho + th - 1) / th);  // balanced tiles
+      a.toh = toh;
+      a.tiles_h = static_cast<int>((g.Ho + toh - 1) / toh);
+      a.tiles_w = static_cast<int>((g.Wo + a.tow - 1) / a.tow);
+      a.tih = (toh - 1) * S + 3;
+      const int ngw = (a.tow + V - 1) / V;
+      const int nw = (V * S + 2 + V - 1) / V;
+      // Row pitch: staged width, and every window read stays inside the row.
+      const int need = std::max((a.tow - 1) * S + 3, (ngw - 1) * V * S + nw * V);
+      a.pitch = (need + V - 1) / V * V;
+      a.store_vec = V > 1 && g.Wo % V == 0 && opforge::cuda::is_aligned(op, V * sizeof(scalar_t));
+      blocks = g.N * g.C * a.tiles_h * a.tiles_w;
+      smem = sizeof(opmath_t) * (static_cast<size_t>(a.tih) * a.pitch + 10 * static_cast<size_t>(g.mult));
+    }
+    TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
+    TORCH_CHECK(smem <= 160 * 1024, "opforge.conv2d_3x3: channel multiplier ", g.mult,
+                " needs more shared memory than the depthwise CUDA kernel supports");
+    if constexpr (sizeof(scalar_t) == 2) {
+      if (V == 8) return launch_fwd_v<scalar_t, 8>(xp, wp, bp, op, a, S, nhwc, blocks, smem, stream);
+    }
+    if constexpr (sizeof(scalar_t) <= 4) {
+      if (V == 4) return launch_fwd_v<scalar_t, 4>(xp, wp, bp, op, a, S, nhwc, blocks, smem, stream);
+    }
+    if (V == 2) return launch_fwd_v<scalar_t, 2>(xp, wp, bp, op, a, S, nhwc, blocks, smem, stream);
+    launch_fwd_v<scalar_t, 1>(xp, wp, bp, op, a, S, nhwc, blocks, smem, stream);
+  });
+}
+
+void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& w,
+                                   at::Tensor& grad_x, const Geometry& g, bool nhwc) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const DwArgs a = base_args(g);
+  const int64_t total = grad_x.numel();
+  if (total == 0) return;
+  OPFORGE_DISPATCH_FLOATING_TYPES(grad_x.scalar_type(), "conv2d_3x3_depthwise_bwd_input", [&] {
+    const auto* gp = grad_out.const_data_ptr<scalar_t>();
+    const auto* rp = result.defined() ? result.const_data_ptr<scalar_t>() : nullptr;
+    const auto* wp = w.const_data_ptr<scalar_t>();
+    auto* gxp = grad_x.mutable_data_ptr<scalar_t>();
+    const int64_t blocks = opforge::cuda::grid_for(total, kThreads);
+    if (nhwc) {
+      dw_bwd_input<scalar_t, true><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, static_cast<int>(g.stride), total);
+    } else {
+      dw_bwd_input<scalar_t, false><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, static_cast<int>(g.stride), total);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& x,
+                                    at::Tensor& grad_w, at::Tensor& grad_b, const Geometry& g, bool nhwc) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const DwArgs a = base_args(g);
+  const int64_t items = g.N * g.Ho * g.Wo;
+  const int S = static_cast<int>(g.stride);
+  const int64_t col_blocks = nhwc ? (g.K + 31) / 32 : g.K;
+  const int64_t want = (4LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks;
+  const int splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, (items + 2047) / 2048, 65535})));
+  const int64_t per_split = (items + splits - 1) / splits;
+  const auto op_dtype = at::toOpMathType(x.scalar_type());
+  at::Tensor part = at::empty({g.K, splits, 10}, x.options().dtype(op_dtype));
+  OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_weight", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const auto* gp = grad_out.const_data_ptr<scalar_t>();
+    const auto* rp = result.defined() ? result.const_data_ptr<scalar_t>() : nullptr;
+    const auto* xp = x.const_data_ptr<scalar_t>();
+    auto* pp = part.mutable_data_ptr<opmath_t>();
+    if (nhwc) {
+      const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits));
+      dw_bwd_weight_nhwc<scalar_t><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, S, splits, per_split);
+    } else {
+      TORCH_CHECK(g.K <= INT32_MAX, "opforge._conv2d_3x3_backward: too many channels");
+      const dim3 grid(static_cast<unsigned>(g.K), static_cast<unsigned>(splits));
+      dw_bwd_weight_nchw<scalar_t><<<grid, kThreads, 0, stream>>>(gp, rp, xp, pp, a, S, splits, per_split);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto* gwp = grad_w.defined() ? grad_w.mutable_data_ptr<scalar_t>() : nullptr;
+    auto* gbp = grad_b.defined() ? grad_b.mutable_data_ptr<scalar_t>() : nullptr;
+    const int64_t n = g.K * 10;
+    dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(pp, gwp, gbp, g.K, splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace opforge::conv

@@ -1,0 +1,102 @@
+"""Bench cases of the conv family: conv2d_3x3 (+ fused bias/ReLU) against F.conv2d (+ relu).
+
+Depthwise 3x3 is memory-bound: its floor is reading x once and writing the
+output once, 2*N*C*H*W*s bytes (stride 1, padding 1, multiplier 1; weights
+and bias add K*10*s). Dense 3x3 is compute-bound: 2*N*K*C*9*Ho*Wo FLOPs,
+reported as TFLOP/s (compare with the device's matrix rate).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import opforge
+
+from ..bench.registry import BenchCase, register
+
+
+def _eager(groups: int, relu: bool, padding: int = 1):
+    def fn(x, w, b):
+        y = F.conv2d(x, w, b, 1, padding, 1, groups)
+        return torch.relu(y) if relu else y
+
+    fn.__name__ = "F.conv2d+relu" if relu else "F.conv2d"
+    return fn
+
+
+def _ours(groups: int, relu: bool, padding: int = 1):
+    def fn(x, w, b):
+        return opforge.conv2d_3x3(x, w, b, 1, padding, groups, "relu" if relu else None)
+
+    return fn
+
+
+def _inputs(n, c, h, w, k, groups, dtype, device, channels_last):
+    def make():
+        x = torch.randn(n, c, h, w, device=device, dtype=dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        return [
+            x,
+            torch.randn(k, c // groups, 3, 3, device=device, dtype=dtype) * (9 * c // groups) ** -0.5,
+            torch.randn(k, device=device, dtype=dtype),
+        ]
+
+    return make
+
+
+@register("conv")
+def cases(device: str) -> list[BenchCase]:
+    out = []
+    if device == "cuda":
+        dw_shapes = [(32, 64, 56, 56), (8, 256, 28, 28), (64, 128, 112, 112)]
+        dense_shapes = [(32, 64, 56, 56, 64), (8, 256, 28, 28, 256), (16, 128, 56, 56, 128)]
+        dtypes = (torch.bfloat16, torch.float32)
+    else:
+        dw_shapes = [(4, 64, 56, 56), (2, 256, 28, 28)]
+        dense_shapes = [(1, 64, 56, 56, 64), (2, 128, 28, 28, 128)]
+        dtypes = (torch.float32,)
+    for dtype in dtypes:
+        s = torch.empty((), dtype=dtype).element_size()
+        for channels_last in (False, True):
+            fmt = "NHWC" if channels_last else "NCHW"
+            for i, (n, c, h, w) in enumerate(dw_shapes):
+                out.append(
+                    BenchCase(
+                        op="conv2d_3x3_depthwise_relu",
+                        label=f"N{n} C{c} {h}x{w} {fmt}",
+                        dtype=dtype,
+                        make_inputs=_inputs(n, c, h, w, c, c, dtype, device, channels_last),
+                        ours=_ours(c, True),
+                        eager=_eager(c, True),
+                        eager_name="F.conv2d+relu",
+                        bytes_fwd=2 * n * c * h * w * s + 10 * c * s,
+                        # read grad_out, result and x, write grad x; weights negligible
+                        bytes_bwd=4 * n * c * h * w * s,
+                        grad_inputs=(0, 1, 2),
+                        atol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+                        rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+                        quick=i == 0 and not channels_last,
+                    )
+                )
+        for i, (n, c, h, w, k) in enumerate(dense_shapes):
+            flops = 2 * n * k * c * 9 * h * w  # padding 1, stride 1: Ho, Wo = H, W
+            out.append(
+                BenchCase(
+                    op="conv2d_3x3_dense_relu",
+                    label=f"N{n} C{c} {h}x{w} K{k}",
+                    dtype=dtype,
+                    make_inputs=_inputs(n, c, h, w, k, 1, dtype, device, dtype == torch.bfloat16 and device == "cuda"),
+                    ours=_ours(1, True),
+                    eager=_eager(1, True),
+                    eager_name="F.conv2d+relu",
+                    flops_fwd=float(flops),
+                    grad_inputs=(0, 1, 2),
+                    # TF32 on both sides for float32 on CUDA (allow_tf32 is followed)
+                    atol=5e-2 if dtype == torch.bfloat16 else 1e-2,
+                    rtol=5e-2 if dtype == torch.bfloat16 else 1e-2,
+                    quick=i == 0,
+                )
+            )
+    return out

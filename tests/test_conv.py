@@ -1,0 +1,469 @@
+"""opforge.conv2d_3x3 (3x3 conv + bias + ReLU), its backward op and Conv2d3x3.
+
+Tolerances: each output is a sum of 9*C/groups products plus the bias. With
+results accumulated in opmath (float32 for the half types, TF32 for float32
+dense on CUDA when allowed) and rounded once, the error is the output's
+rounding (reference.TOLERANCES) plus an accumulation error that grows like
+sqrt(9*C/groups) unit roundoffs of the typical term size (inputs are N(0, 1),
+so terms are O(1) and the sum O(sqrt(9C))). The absolute tolerance is
+therefore the dtype's atol scaled by sqrt(9*C/groups) (`_scale`), never a
+fixed loose number; the reference is float64 F.conv2d on the CPU.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opforge
+from reference import DTYPES, TOLERANCES, poisoned, rand
+
+# float32 on CUDA may use TF32 (dense path, like F.conv2d): 10-bit mantissa.
+TF32_TOL = (1e-3, 1e-3)
+
+
+def reference(x, w, b, stride, padding, groups, relu):
+    y = F.conv2d(x.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu(), stride, padding, 1, groups)
+    return torch.relu(y) if relu else y
+
+
+def _scale(c_per_group):
+    return math.sqrt(9 * c_per_group)
+
+
+def check(x, w, b, stride, padding, groups, relu):
+    with poisoned(x.device):
+        out = opforge.conv2d_3x3(x, w, b, stride, padding, groups, "relu" if relu else None)
+    ref = reference(x, w, b, stride, padding, groups, relu)
+    assert out.dtype == x.dtype and out.device == x.device
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    fmt = torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format
+    assert out.is_contiguous(memory_format=fmt), (out.stride(), fmt)
+    atol, rtol = TOLERANCES[x.dtype]
+    if x.dtype == torch.float32 and x.device.type == "cuda" and groups == 1 and torch.backends.cudnn.allow_tf32:
+        atol, rtol = TF32_TOL
+    scale = _scale(w.shape[1])
+    torch.testing.assert_close(out.cpu().double(), ref, atol=atol * scale, rtol=rtol)
+    return out
+
+
+CONFIGS = [(s, p) for s in (1, 2) for p in (0, 1)]
+
+
+@pytest.mark.parametrize("stride,padding", CONFIGS)
+@pytest.mark.parametrize("kind", ["dense", "depthwise", "depthwise_x2"])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_values(stride, padding, kind, relu, dtype, channels_last, device):
+    c = 6
+    groups = 1 if kind == "dense" else c
+    k = {"dense": 5, "depthwise": c, "depthwise_x2": 2 * c}[kind]
+    x = rand((2, c, 9, 11), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w = rand((k, c // groups, 3, 3), dtype, device)
+    b = rand((k,), dtype, device)
+    check(x, w, b, stride, padding, groups, relu)
+    check(x, w, None, stride, padding, groups, relu)
+
+
+@pytest.mark.parametrize("hw", [(3, 3), (4, 5), (5, 4), (63, 5), (3, 127), (127, 4)])
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+@pytest.mark.parametrize("stride,padding", CONFIGS)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_odd_sizes_batch1(hw, kind, stride, padding, channels_last, device):
+    c = 3
+    groups = 1 if kind == "dense" else c
+    x = rand((1, c, *hw), torch.float32, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w = rand((4 if kind == "dense" else c, c // groups, 3, 3), torch.float32, device)
+    check(x, w, rand((w.shape[0],), torch.float32, device), stride, padding, groups, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 64, 20, 24), (1, 32, 17, 33), (3, 8, 16, 64)])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_depthwise_larger(dtype, shape, stride, channels_last, device):
+    # Sizes that exercise the vector loops, their tails and (on CUDA) several tiles.
+    x = rand(shape, dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    c = shape[1]
+    check(x, rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device), stride, 1, c, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_dense_larger(dtype, channels_last, device):
+    x = rand((2, 32, 14, 15), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    check(x, rand((24, 32, 3, 3), dtype, device), rand((24,), dtype, device), 1, 1, 1, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_cuda_float32_follows_allow_tf32(allow_tf32):
+    old = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
+    try:
+        x = rand((2, 64, 16, 16), torch.float32, "cuda")
+        w = rand((32, 64, 3, 3), torch.float32, "cuda")
+        out = opforge.conv2d_3x3(x, w, None, 1, 1, 1, "relu")
+        ref = reference(x, w, None, 1, 1, 1, True)
+        atol, rtol = TF32_TOL if allow_tf32 else TOLERANCES[torch.float32]
+        torch.testing.assert_close(out.cpu().double(), ref, atol=atol * _scale(64), rtol=rtol)
+    finally:
+        torch.backends.cudnn.allow_tf32 = old
+
+
+def test_noncontiguous_input(device):
+    base = rand((2, 6, 12, 14), torch.float32, device)
+    x = base[:, :, 1:10, ::2]  # neither contiguous nor channels_last
+    w = rand((6, 1, 3, 3), torch.float32, device)
+    check(x, w, None, 1, 1, 6, False)
+    check(x, rand((4, 6, 3, 3), torch.float32, device), None, 2, 1, 1, True)
+
+
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+def test_empty_batch(kind, device):
+    groups = 1 if kind == "dense" else 4
+    x = rand((0, 4, 8, 8), torch.float32, device)
+    w = rand((4, 4 // groups, 3, 3), torch.float32, device).requires_grad_()
+    out = opforge.conv2d_3x3(x, w, None, 1, 1, groups, "relu")
+    assert out.shape == (0, 4, 8, 8)
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_nan_propagates(device):
+    x = rand((1, 2, 5, 5), torch.float32, device)
+    x[0, 0, 2, 2] = float("nan")
+    w = rand((2, 1, 3, 3), torch.float32, device)
+    out = opforge.conv2d_3x3(x, w, None, 1, 1, 2, "relu")
+    assert out[0, 0, 1:4, 1:4].isnan().all() and not out[0, 1].isnan().any()
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _args(device="cpu"):
+    return rand((2, 4, 8, 8), torch.float32, device), rand((6, 4, 3, 3), torch.float32, device)
+
+
+@pytest.mark.parametrize("fn", ["wrapper", "raw"])
+def test_errors(fn):
+    def call(x, w, b=None, stride=1, padding=0, groups=1):
+        if fn == "wrapper":
+            return opforge.conv2d_3x3(x, w, b, stride, padding, groups)
+        return torch.ops.opforge.conv2d_3x3(x, w, b, stride, padding, groups, False)
+
+    x, w = _args()
+    with pytest.raises(ValueError, match=r"x must be a 4-d tensor, got 3-d"):
+        call(x[0], w)
+    with pytest.raises(ValueError, match=r"weight must be a 4-d tensor, got 2-d"):
+        call(x, w[:, :, 0, 0])
+    with pytest.raises(ValueError, match=r"weight must have a 3x3 kernel .* got shape \[6, 4, 5, 5\]"):
+        call(x, rand((6, 4, 5, 5)))
+    with pytest.raises(ValueError, match=r"weight must have C/groups = 4 input channels .* got weight shape \[6, 3, 3, 3\]"):
+        call(x, rand((6, 3, 3, 3)))
+    with pytest.raises(ValueError, match=r"groups must be 1 or the number of input channels \(4\), got 2"):
+        call(x, rand((6, 2, 3, 3)), groups=2)
+    with pytest.raises(ValueError, match=r"output channels \(6\) must be a positive multiple of groups \(4\)"):
+        call(x, rand((6, 1, 3, 3)), groups=4)
+    with pytest.raises(ValueError, match=r"stride must be 1 or 2, got 3"):
+        call(x, w, stride=3)
+    with pytest.raises(ValueError, match=r"padding must be 0 or 1, got 2"):
+        call(x, w, padding=2)
+    with pytest.raises(TypeError, match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64|x and weight must have the same dtype, got x Float and weight Double"):
+        call(x, w.double())
+    with pytest.raises(TypeError, match=r"x must be a float32, float64, float16 or bfloat16 tensor"):
+        call(x.int(), w)
+    with pytest.raises(ValueError, match=r"bias must have shape \[6\], got \[5\]"):
+        call(x, w, rand((5,)))
+    with pytest.raises(ValueError, match=r"bias must have shape \[6\], got \[6, 1\]"):
+        call(x, w, rand((6, 1)))
+    with pytest.raises(TypeError, match=r"bias must have x's dtype"):
+        call(x, w, rand((6,), torch.float64))
+    with pytest.raises(ValueError, match=r"spatial size \(2, 8\) with padding 0 is smaller than the 3x3 kernel"):
+        call(x[:, :, :2], w)
+
+
+def test_wrapper_only_errors():
+    x, w = _args()
+    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
+        opforge.conv2d_3x3(x, w, activation="gelu")
+    with pytest.raises(TypeError, match=r"weight must be a torch.Tensor, got list"):
+        opforge.conv2d_3x3(x, [1.0])
+    with pytest.raises(TypeError, match=r"stride must be an int, got float"):
+        opforge.conv2d_3x3(x, w, stride=1.0)
+
+
+@pytest.mark.cuda
+def test_different_devices_raise():
+    x, w = _args()
+    with pytest.raises(ValueError, match=r"x and weight must be on the same device, got x on cpu and weight on cuda:0"):
+        opforge.conv2d_3x3(x, w.cuda())
+    with pytest.raises(ValueError, match=r"x and bias must be on the same device"):
+        opforge.conv2d_3x3(x.cuda(), w.cuda(), rand((6,)))
+    with pytest.raises(ValueError, match=r"x and weight must be on the same device"):
+        torch.ops.opforge.conv2d_3x3(x.cuda(), w, None, 1, 0, 1, False)
+
+
+def test_backward_op_errors():
+    x, w = _args()
+    g = rand((2, 6, 6, 6))
+    bwd = torch.ops.opforge._conv2d_3x3_backward
+    with pytest.raises(ValueError, match=r"grad_out must have shape \[2, 6, 6, 6\], got \[2, 6, 6, 5\]"):
+        bwd(g[..., :5], None, x, w, 1, 0, 1, [True, True, True])
+    with pytest.raises(ValueError, match=r"result must have grad_out's shape"):
+        bwd(g, g[..., :5], x, w, 1, 0, 1, [True, True, True])
+    with pytest.raises(TypeError, match=r"grad_out must have x's dtype"):
+        bwd(g.double(), None, x, w, 1, 0, 1, [True, True, True])
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+@pytest.mark.parametrize("stride,padding", CONFIGS)
+@pytest.mark.parametrize("kind", ["dense", "depthwise", "depthwise_x2"])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_gradcheck(stride, padding, kind, relu, channels_last, device):
+    c = 3
+    groups = 1 if kind == "dense" else c
+    k = {"dense": 2, "depthwise": c, "depthwise_x2": 2 * c}[kind]
+    x = rand((2, c, 6, 7), torch.float64, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    w = rand((k, c // groups, 3, 3), torch.float64, device).requires_grad_()
+    b = rand((k,), torch.float64, device).requires_grad_()
+    fn = lambda x, w, b: opforge.conv2d_3x3(x, w, b, stride, padding, groups, "relu" if relu else None)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["dense", "depthwise", "depthwise_x2"])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_backward_matches_torch(dtype, kind, stride, channels_last, device):
+    c = 8
+    groups = 1 if kind == "dense" else c
+    k = {"dense": 6, "depthwise": c, "depthwise_x2": 2 * c}[kind]
+    x = rand((2, c, 11, 10), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = rand((k, c // groups, 3, 3), dtype, device), rand((k,), dtype, device)
+    x1, w1, b1 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    out = opforge.conv2d_3x3(x1, w1, b1, stride, 1, groups, "relu")
+    g = rand(out.shape, dtype, device)
+    with poisoned(device):
+        out.backward(g)
+    x2, w2, b2 = (t.detach().double().cpu().requires_grad_() for t in (x, w, b))
+    # The ReLU mask taken from our (rounded) output: a float64 output can
+    # differ in sign from a rounded one right at 0.
+    F.conv2d(x2, w2, b2, stride, 1, 1, groups).backward(g.double().cpu() * (out.detach().cpu() > 0).double())
+    atol, rtol = TOLERANCES[dtype]
+    if dtype == torch.float32 and device == "cuda" and groups == 1 and torch.backends.cudnn.allow_tf32:
+        atol, rtol = TF32_TOL
+    for ours, theirs, terms in ((x1.grad, x2.grad, 9 * k // groups), (w1.grad, w2.grad, 2 * 11 * 10), (b1.grad, b2.grad, 2 * 11 * 10)):
+        assert ours.dtype == dtype and ours.shape == theirs.shape
+        torch.testing.assert_close(ours.cpu().double(), theirs, atol=atol * math.sqrt(terms), rtol=rtol)
+
+
+def test_double_backward_raises(device):
+    x = rand((1, 2, 5, 5), torch.float64, device).requires_grad_()
+    w = rand((2, 2, 3, 3), torch.float64, device).requires_grad_()
+    out = opforge.conv2d_3x3(x, w, None, 1, 1, 1, "relu")
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    with pytest.raises(NotImplementedError, match=r"double backward .* is not supported"):
+        gx.sum().backward()
+
+
+def test_partial_grads(device):
+    x = rand((1, 4, 6, 6), torch.float64, device)
+    w = rand((4, 1, 3, 3), torch.float64, device).requires_grad_()
+    b = rand((4,), torch.float64, device)
+    opforge.conv2d_3x3(x, w, b, 1, 1, 4, "relu").sum().backward()
+    assert w.grad is not None and x.grad is None
+
+
+# --------------------------------------------------------------------------- torch.library / compile / nn
+
+
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_opcheck(kind, dtype, channels_last, device):
+    c = 4
+    groups = 1 if kind == "dense" else c
+    x = rand((2, c, 7, 6), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    w = rand((c, c // groups, 3, 3), dtype, device).requires_grad_()
+    b = rand((c,), dtype, device).requires_grad_()
+    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, b, 2, 1, groups, True))
+    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, None, 1, 0, groups, False))
+    out = torch.ops.opforge.conv2d_3x3(x.detach(), w.detach(), b.detach(), 1, 1, groups, True)
+    g = rand(out.shape, dtype, device)
+    for mask in ([True, True, True], [False, True, False]):
+        torch.library.opcheck(
+            torch.ops.opforge._conv2d_3x3_backward.default, (g, out, x.detach(), w.detach(), 1, 1, groups, mask),
+            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
+        )
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = opforge.nn.Conv2d3x3(3, 8, padding=1, activation="relu")
+        self.dw = opforge.nn.Conv2d3x3(8, 8, stride=2, padding=1, groups=8, activation="relu")
+        self.pw = opforge.nn.Conv2d3x3(8, 4, padding=0)
+
+    def forward(self, x):
+        return self.pw(self.dw(self.stem(x)))
+
+
+def test_compile_fullgraph_dynamic_no_recompiles(device):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = Net().to(device)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for batch, hw in ((2, 12), (3, 13), (5, 16)):
+        x = rand((batch, 3, hw, hw), device=device)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+
+
+def test_compile_backward(device):
+    torch._dynamo.reset()
+    model = Net().to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    x = rand((2, 3, 12, 12), device=device).requires_grad_()
+    compiled(x).sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    model(x).sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+
+
+def test_module_init_like_nn_conv2d():
+    torch.manual_seed(3)
+    ours = opforge.nn.Conv2d3x3(8, 16, stride=2, padding=1, groups=8)
+    torch.manual_seed(3)
+    ref = torch.nn.Conv2d(8, 16, 3, 2, 1, groups=8)
+    assert torch.equal(ours.weight, ref.weight) and torch.equal(ours.bias, ref.bias)
+    assert opforge.nn.Conv2d3x3(4, 4, bias=False).bias is None
+    assert "activation=None" in repr(ours)
+
+
+@pytest.mark.parametrize("groups,relu", [(1, True), (6, False), (6, True)])
+def test_from_conv(groups, relu, device):
+    conv = torch.nn.Conv2d(6, 12, 3, stride=2, padding=1, groups=groups).to(device)
+    layer = opforge.nn.Conv2d3x3.from_conv(conv, relu=relu)
+    x = rand((2, 6, 9, 9), device=device)
+    ref = torch.relu(conv(x)) if relu else conv(x)
+    torch.testing.assert_close(layer(x), ref, atol=1e-5 * _scale(6 // groups), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"3x3 kernel"):
+        opforge.nn.Conv2d3x3.from_conv(torch.nn.Conv2d(2, 2, 5))
+    with pytest.raises(ValueError, match=r"dilation 1"):
+        opforge.nn.Conv2d3x3.from_conv(torch.nn.Conv2d(2, 2, 3, dilation=2))
+    with pytest.raises(TypeError, match=r"must be a torch.nn.Conv2d"):
+        opforge.nn.Conv2d3x3.from_conv(torch.nn.Linear(2, 2))
+
+
+def test_module_trains(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Net(), torch.nn.Flatten(), torch.nn.LazyLinear(1)).to(device)
+    x = rand((8, 3, 8, 8), device=device)
+    y = (x.mean((1, 2, 3)) > 0).float()[:, None]
+    model(x)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(15):
+        loss = F.binary_cross_entropy_with_logits(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses[::5]
+
+
+# --------------------------------------------------------------------------- CUDA specifics
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 64, 56, 56), (2, 256, 28, 28), (1, 8, 300, 700)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_depthwise_bench_shapes(dtype, shape, channels_last):
+    x = rand(shape, dtype, "cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    c = shape[1]
+    for stride in (1, 2):
+        check(x, rand((c, 1, 3, 3), dtype, "cuda"), rand((c,), dtype, "cuda"), stride, 1, c, True)
+    x1 = x.detach().clone().requires_grad_()
+    w = rand((c, 1, 3, 3), dtype, "cuda").requires_grad_()
+    out = opforge.conv2d_3x3(x1, w, None, 1, 1, c, "relu")
+    g = rand(out.shape, dtype, "cuda")
+    out.backward(g)
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    torch.relu(F.conv2d(x2, w2, None, 1, 1, 1, c)).backward(g.double() * (out.detach() > 0).double())
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(x1.grad.double(), x2.grad, atol=atol * 3, rtol=rtol)
+    n_terms = shape[0] * shape[2] * shape[3]
+    torch.testing.assert_close(w.grad.double(), w2.grad, atol=atol * math.sqrt(n_terms), rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_multiplier_vector_paths(dtype, channels_last, stride, device):
+    # Channel multiplier 2 with sizes that allow 16-byte accesses along W and C.
+    x = rand((2, 16, 12, 32), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    check(x, rand((32, 1, 3, 3), dtype, device), rand((32,), dtype, device), stride, 1, 16, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_misaligned_and_offset_views(channels_last):
+    # A storage offset of one element breaks 16-byte alignment although W and
+    # C are multiples of the vector width: the kernels must take narrower accesses.
+    shape = (2, 8, 10, 16)
+    base = rand((2 * 8 * 10 * 16 + 1,), torch.float32, "cuda")
+    if channels_last:
+        x = base[1:].view(2, 10, 16, 8).permute(0, 3, 1, 2)
+    else:
+        x = base[1:].view(shape)
+    assert x.data_ptr() % 16 != 0
+    check(x, rand((8, 1, 3, 3), torch.float32, "cuda"), None, 1, 1, 8, True)
+    check(x, rand((8, 8, 3, 3), torch.float32, "cuda"), rand((8,), torch.float32, "cuda"), 1, 1, 1, True)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay():
+    x = rand((4, 32, 20, 20), device="cuda")
+    w = rand((32, 1, 3, 3), device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        opforge.conv2d_3x3(x, w, None, 1, 1, 32, "relu")
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = opforge.conv2d_3x3(x, w, None, 1, 1, 32, "relu")
+    x.copy_(rand((4, 32, 20, 20), device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.double().cpu(), reference(x, w, None, 1, 1, 32, True), atol=1e-5, rtol=1e-5)
