@@ -222,6 +222,21 @@ def _torch_defines_limited_api() -> bool:
     return "-DPy_LIMITED_API=" in Path(cpp_extension.__file__).read_text()
 
 
+def openmp_flags() -> tuple[list[str], list[str]]:
+    """Compile and link flags that make ``at::parallel_for`` parallel.
+
+    ATen's parallel_for is an inline OpenMP loop when torch is built with
+    OpenMP (Linux wheels): without -fopenmp the pragma is ignored and every
+    "parallel" CPU kernel runs on one thread. The extension then links
+    libgomp.so.1, which resolves to the copy torch already loaded.
+    """
+    import torch
+
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        return ["-fopenmp"], ["-fopenmp"]
+    return [], []
+
+
 @dataclasses.dataclass
 class SourceSet:
     """Everything needed to build one extension, for setup.py and JIT alike.
@@ -279,6 +294,7 @@ class SourceSet:
             defines += ["-DPy_LIMITED_API=0x030a0000"]
         # The warnings silenced here fire inside torch's and gcc's own headers.
         cxx = ["-O3", "-fdiagnostics-color=always", "-Wno-unknown-pragmas", "-Wno-psabi", "-Wno-maybe-uninitialized"] + defines + self.cxx_flags
+        cxx += openmp_flags()[0]  # C++ only: nvcc's host pass needs no OpenMP
         if os.environ.get("OPFORGE_CPU_NATIVE") == "1":
             # Builds for the CPU of this machine only (edge devices building
             # for themselves): wider vectors for at::vec.
@@ -323,6 +339,7 @@ def setup_extension(src: SourceSet, module_name: str):
         include_dirs=src.all_include_dirs(decision.enabled),
         library_dirs=library_dirs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=openmp_flags()[1],
         py_limited_api=True,
     )
 
@@ -413,7 +430,7 @@ def jit_load(
     cxx, nvcc = src.flags(with_cuda, for_wheel=False)
     build_dir = jit_build_directory(src.name)
     os.environ.setdefault("MAX_JOBS", str(max_jobs()))
-    extra_ldflags = [f"-L{d}" for d in _wheel_cuda_dirs()[1]] if with_cuda else []
+    extra_ldflags = ([f"-L{d}" for d in _wheel_cuda_dirs()[1]] if with_cuda else []) + openmp_flags()[1]
     kwargs = dict(
         name=src.name,
         sources=src.sources(with_cuda),
