@@ -24,9 +24,10 @@ def rand(shape, dtype=torch.float32, device="cpu", scale=1.0) -> torch.Tensor:
     return (torch.randn(shape, dtype=torch.float64, device=device) * scale).to(dtype)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype=None, equal_nan=False, scale=1.0):
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype=None, equal_nan=False, scale=1.0, rtol_scale=1.0):
     dtype = dtype or actual.dtype
     atol, rtol = TOLERANCES[dtype]
+    rtol *= rtol_scale
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol, equal_nan=equal_nan)

@@ -51,7 +51,12 @@ def check(name, x, dim, dtype=None, equal_nan=False):
     # accumulated in float32 (torch's own float32 kernels show the same).
     K = x.shape[dim] if x.dim() else 1
     scale = max(1.0, K / 5000) if name == "log_softmax" else 1.0
-    assert_close(out.cpu(), expected, equal_nan=equal_nan, scale=scale)
+    # Every output is divided by a float32 sum of K exps, whose relative
+    # error grows with K: torch's own float32 softmax is off by up to 2e-5
+    # on rows of 300000 elements, so beyond 100000 the relative tolerance
+    # grows in proportion.
+    rtol_scale = max(1.0, K / 100000)
+    assert_close(out.cpu(), expected, equal_nan=equal_nan, scale=scale, rtol_scale=rtol_scale)
     return out
 
 

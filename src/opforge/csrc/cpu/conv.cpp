@@ -12,6 +12,7 @@
 // computes grad x / weight / bias (oneDNN on the CPU).
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -130,6 +131,9 @@ void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
     const auto* xp = x.const_data_ptr<scalar_t>();
     auto* op = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, g.N * tiles, 1, [&](int64_t begin, int64_t end) {
+      // OpenMP worker threads start with default thread-local state: without
+      // this guard at::mm_out would dispatch through autograd again there.
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::vector<opmath_t> cols_buf(CK * tp), acc_buf(K * tp);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t n = item / tiles, p0 = (item % tiles) * tp, np = std::min(tp, HoWo - p0);
