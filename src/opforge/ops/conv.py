@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
+from ._dispatch import call
 
 _ns = torch.ops.opforge
 _OP = "opforge.conv2d_3x3"
@@ -104,7 +105,7 @@ def conv2d_3x3(
     """
     relu = _activation(activation)
     _check(_OP, x, weight, bias, stride, padding, groups)
-    return _ns.conv2d_3x3.default(x, weight, bias, stride, padding, groups, relu)
+    return call(_ns.conv2d_3x3.default, x, weight, bias, stride, padding, groups, relu)
 
 
 # --------------------------------------------------------------------------- fake kernels

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
+from ._dispatch import call
 
 _ns = torch.ops.opforge
 
@@ -98,7 +99,7 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
             [1.0000, 0.0000]])
     """
     _check_softmax("opforge.softmax", x, dim, dtype)
-    return _ns.softmax.default(x, dim, dtype)
+    return call(_ns.softmax.default, x, dim, dtype)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -109,7 +110,7 @@ def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None
     tensor([-0.6931, -0.6931])
     """
     _check_softmax("opforge.log_softmax", x, dim, dtype)
-    return _ns.log_softmax.default(x, dim, dtype)
+    return call(_ns.log_softmax.default, x, dim, dtype)
 
 
 def scaled_masked_softmax(
@@ -127,7 +128,7 @@ def scaled_masked_softmax(
             [0.3333, 0.3333, 0.3333]])
     """
     _check_scaled_masked("opforge.scaled_masked_softmax", x, mask, scale, causal)
-    return _ns.scaled_masked_softmax.default(x, mask, float(scale), causal)
+    return call(_ns.scaled_masked_softmax.default, x, mask, float(scale), causal)
 
 
 # --------------------------------------------------------------------------- fake kernels
