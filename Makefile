@@ -43,7 +43,25 @@ gpu-check:
 	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-native} OPFORGE_CUDA=1 \
 		$(PYTHON) setup.py build_ext --inplace > $(OUT)/build.log 2>&1 || { tail -n 60 $(OUT)/build.log; exit 1; }
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee $(OUT)/pytest-cuda.log | tail -n 30
-	PYTHONPATH=src $(PYTHON) -m opforge_cli demo --device cuda 2>&1 | tee $(OUT)/demo.log
+	PYTHONPATH=src $(PYTHON) -m opforge_cli bench --quick --device cuda 2>&1 | tee $(OUT)/demo.log
+
+# The committed results in docs/benchmarks/, regenerated on an idle machine:
+# `make bench-docs` on the 2-core CPU, `make bench-docs DEVICE=cuda` on the
+# H200 (one run per op family: each fits a 10-minute slot).
+DEVICE ?= cpu
+GPU_NAME ?= h200
+bench-docs:
+	@if [ "$(DEVICE)" = cuda ]; then \
+		for spec in "add_relu" "softmax --mode fwd --mode bwd" "nms" "conv --mode fwd"; do \
+			set -- $$spec; fam=$$1; shift; \
+			PYTHONPATH=src $(PYTHON) -m opforge_cli bench $$fam "$$@" --device cuda --no-progress \
+				--json docs/benchmarks/$(GPU_NAME)-$$fam.json --markdown docs/benchmarks/$(GPU_NAME)-$$fam.md \
+				--plot docs/benchmarks/$(GPU_NAME)-$$fam.png || exit 1; \
+		done; \
+	else \
+		PYTHONPATH=src $(PYTHON) -m opforge_cli bench --device cpu --no-progress \
+			--json docs/benchmarks/cpu.json --markdown docs/benchmarks/cpu.md --plot docs/benchmarks/cpu.png; \
+	fi
 
 clean:
 	rm -rf build $(STAMPS) src/opforge/_C*.so src/*.egg-info
