@@ -6,9 +6,28 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cstdint>
 #include <string>
 
 namespace opforge {
+
+// Numbers and shapes for messages, formatted without std::ostream. Host code
+// compiled by nvcc instantiates libstdc++'s numeric stream inserters itself;
+// when nvcc's host compiler and the libstdc++ loaded at run time differ,
+// those copies have been seen to crash while formatting an error message.
+// Messages in code that .cu files include therefore stream only strings.
+inline std::string num(int64_t v) {
+  return std::to_string(v);
+}
+
+inline std::string shape(c10::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(sizes[i]);
+  }
+  return out + "]";
+}
 
 // A dtype as Python users write it ("torch.int64"), so messages from C++
 // read the same as those raised by the Python wrappers.
@@ -49,8 +68,8 @@ inline void check_same_device(const at::Tensor& a, const char* a_name, const at:
 }
 
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be a ", dim, "-d tensor, got ", t.dim(),
-                    "-d with shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be a ", num(dim), "-d tensor, got ", num(t.dim()),
+                    "-d with shape ", shape(t.sizes()));
 }
 
 // `b` must have the same dtype as `a` (e.g. a gradient and the output it belongs to).
@@ -64,7 +83,7 @@ inline void check_same_dtype(const at::Tensor& a, const char* a_name, const at::
 inline void check_same_shape(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
                              const char* op) {
   TORCH_CHECK_VALUE(a.sizes() == b.sizes(), op, ": ", a_name, " and ", b_name, " must have the same shape, got ",
-                    a.sizes(), " and ", b.sizes());
+                    shape(a.sizes()), " and ", shape(b.sizes()));
 }
 
 }  // namespace opforge
