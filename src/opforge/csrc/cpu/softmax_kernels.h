@@ -16,6 +16,7 @@
 #include <c10/util/irange.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -182,90 +183,186 @@ inline A sum_exp(const A* src, int64_t n, A m) {
 
 // ------------------------------------------------------------------ forward, inner-most dim
 
+// y[0, n) = T(buf * mul), rounded once.
 template <typename T>
-void fwd_rows(const sm::FwdArgs& a) {
+inline void scale_out(const Acc<T>* buf, T* y, int64_t n, Acc<T> mul) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t W = Vectorized<T>::size();
+  const V vm(mul);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    Vectorized<T> r;
+    if constexpr (kNeedsConvert<T>) {
+      r = at::vec::convert_from_float<T>(V::loadu(buf + i) * vm, V::loadu(buf + i + V::size()) * vm);
+    } else {
+      r = V::loadu(buf + i) * vm;
+    }
+    r.store(y + i);
+  }
+  for (; i < n; ++i) y[i] = static_cast<T>(buf[i] * mul);
+}
+
+// max of n values of T, computed in opmath (NaN propagates).
+template <typename T>
+inline Acc<T> in_max(const T* x, int64_t n) {
+  if constexpr (kNeedsConvert<T>) {
+    using IO = VecIO<T>;
+    using V = Vectorized<float>;
+    constexpr int64_t W = IO::kWidth;
+    V m0(-std::numeric_limits<float>::infinity()), m1 = m0;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const auto p = IO::load(x + i);
+      m0 = at::vec::maximum(m0, p.v[0]);
+      m1 = at::vec::maximum(m1, p.v[1]);
+    }
+    m0 = at::vec::maximum(m0, m1);
+    float m = at::vec::vec_reduce_all<float>([](V& u, V& w) { return at::vec::maximum(u, w); }, m0);
+    for (; i < n; ++i) m = max_nan(m, static_cast<float>(x[i]));
+    return m;
+  } else {
+    return row_max(x, n);
+  }
+}
+
+// buf = exp(x - m) in opmath; returns the sum.
+template <typename T>
+inline Acc<T> in_exp_sum(const T* x, Acc<T>* buf, int64_t n, Acc<T> m) {
+  if constexpr (kNeedsConvert<T>) {
+    using IO = VecIO<T>;
+    using V = Vectorized<float>;
+    constexpr int64_t W = IO::kWidth;
+    const V vm(m);
+    V acc0(0), acc1(0);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const auto p = IO::load(x + i);
+      const V e0 = vexp(p.v[0] - vm);
+      const V e1 = vexp(p.v[1] - vm);
+      e0.store(buf + i);
+      e1.store(buf + i + V::size());
+      acc0 = acc0 + e0;
+      acc1 = acc1 + e1;
+    }
+    acc0 = acc0 + acc1;
+    float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc0);
+    if (i < n) {
+      for (int64_t j = i; j < n; ++j) buf[j] = static_cast<float>(x[j]);
+      s += exp_and_sum(buf + i, buf + i, n - i, m);
+    }
+    return s;
+  } else {
+    return exp_and_sum(x, buf, n, m);
+  }
+}
+
+// Rows [r0, r1) of softmax / scaled_masked_softmax. float: exp(x - max) is
+// written to y and scaled in place while the row is in cache. Half types and
+// masked rows: buf (K opmath values, cache-line aligned) holds exp(x - max),
+// then y is written from it in one pass.
+template <typename T>
+void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
   using A = Acc<T>;
   using V = Vectorized<A>;
   const int64_t K = a.K;
-  const int64_t rows = a.outer;
   const T* in = static_cast<const T*>(a.in);
   T* out = static_cast<T*>(a.out);
   const bool masked_mode = a.mode == sm::Mode::ScaledMasked;
-  const bool need_buf = kNeedsConvert<T> || masked_mode;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* x = in + r * K;
+    T* y = out + r * K;
+    if (masked_mode) {
+      // buf[0, valid) = x * scale + mask (-inf where masked); the keys
+      // above the diagonal are skipped and come out as 0.
+      const int64_t valid = a.causal ? std::min<int64_t>(K, r % a.Lq + 1) : K;
+      to_acc(x, buf, valid);
+      const V vs(static_cast<A>(a.scale));
+      at::vec::map([vs](V v) { return v * vs; }, buf, buf, valid);
+      if (a.mask != nullptr) {
+        const int64_t moff = a.mask_rows(r);
+        if (a.mask_is_bool) {
+          const bool* mk = static_cast<const bool*>(a.mask) + moff;
+          for (int64_t j = 0; j < valid; ++j) buf[j] = mk[j] ? -std::numeric_limits<A>::infinity() : buf[j];
+        } else {
+          const T* mk = static_cast<const T*>(a.mask) + moff;
+          if constexpr (kNeedsConvert<T>) {
+            for (int64_t j = 0; j < valid; ++j) buf[j] += static_cast<A>(mk[j]);
+          } else {
+            at::vec::map2([](V u, V w) { return u + w; }, buf, buf, mk, valid);
+          }
+        }
+      }
+      const A m = row_max(buf, valid);
+      if (m == -std::numeric_limits<A>::infinity()) {
+        // Every key masked out: zeros (documented), not NaN.
+        std::fill(buf, buf + K, A(0));
+        scale_out<T>(buf, y, K, A(0));
+        continue;
+      }
+      const A s = exp_and_sum(buf, buf, valid, m);
+      std::fill(buf + valid, buf + K, A(0));
+      scale_out<T>(buf, y, K, A(1) / s);
+    } else {
+      const A m = in_max(x, K);
+      if constexpr (kNeedsConvert<T>) {
+        const A s = in_exp_sum(x, buf, K, m);
+        scale_out<T>(buf, y, K, A(1) / s);
+      } else {
+        const V inv(A(1) / exp_and_sum(x, y, K, m));
+        at::vec::map([inv](V v) { return v * inv; }, y, y, K);
+      }
+    }
+  }
+}
 
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<A> scratch(need_buf ? K : 0);
+template <typename T>
+void fwd_rows_log(const sm::FwdArgs& a) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  const int64_t K = a.K;
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, a.outer, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<A> scratch(kNeedsConvert<T> ? K : 0);
     A* buf = scratch.data();
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = in + r * K;
       T* y = out + r * K;
-      const A* src;
-      if (masked_mode) {
-        // buf = x * scale + mask, -inf where masked or above the diagonal.
-        const int64_t valid = a.causal ? std::min<int64_t>(K, r % a.Lq + 1) : K;
-        to_acc(x, buf, valid);
-        const V vs(static_cast<A>(a.scale));
-        at::vec::map([vs](V v) { return v * vs; }, buf, buf, valid);
-        if (a.mask != nullptr) {
-          const int64_t moff = a.mask_rows(r);
-          if (a.mask_is_bool) {
-            const bool* mk = static_cast<const bool*>(a.mask) + moff;
-            for (int64_t j = 0; j < valid; ++j) buf[j] = mk[j] ? -std::numeric_limits<A>::infinity() : buf[j];
-          } else {
-            const T* mk = static_cast<const T*>(a.mask) + moff;
-            if constexpr (kNeedsConvert<T>) {
-              for (int64_t j = 0; j < valid; ++j) buf[j] += static_cast<A>(mk[j]);
-            } else {
-              at::vec::map2([](V u, V w) { return u + w; }, buf, buf, mk, valid);
-            }
-          }
-        }
-        for (int64_t j = valid; j < K; ++j) buf[j] = -std::numeric_limits<A>::infinity();
-        src = buf;
-      } else if constexpr (kNeedsConvert<T>) {
-        src = buf;
-      } else {
-        src = x;
-      }
-
-      A m;
       if constexpr (kNeedsConvert<T>) {
-        m = masked_mode ? row_max(src, K) : to_acc_max(x, buf, K);
+        const A m = to_acc_max(x, buf, K);
+        const A c = m + std::log(sum_exp(buf, K, m));
+        affine_from_acc(buf, y, K, 1.f, -c);
       } else {
-        m = row_max(src, K);
-      }
-      if (masked_mode && m == -std::numeric_limits<A>::infinity()) {
-        // Every key masked out: zeros (documented), not NaN.
-        std::fill(y, y + K, T(0));
-        continue;
-      }
-      if (a.mode == sm::Mode::LogSoftmax) {
-        const A c = m + std::log(sum_exp(src, K, m));
-        const V vc(c);
-        if constexpr (kNeedsConvert<T>) {
-          affine_from_acc(buf, y, K, 1.f, -c);
-        } else {
-          at::vec::map([vc](V v) { return v - vc; }, y, src, K);
-        }
-      } else {
-        A* dst;
-        if constexpr (kNeedsConvert<T>) {
-          dst = buf;
-        } else {
-          dst = y;
-        }
-        const A s = exp_and_sum(src, dst, K, m);
-        if constexpr (kNeedsConvert<T>) {
-          affine_from_acc(buf, y, K, A(1) / s, 0.f);
-        } else {
-          const V inv(A(1) / s);
-          at::vec::map([inv](V v) { return v * inv; }, dst, dst, K);
-        }
+        const A m = row_max(x, K);
+        const V vc(m + std::log(sum_exp(x, K, m)));
+        at::vec::map([vc](V v) { return v - vc; }, y, x, K);
       }
     }
   });
 }
+
+template <typename T>
+void fwd_rows(const sm::FwdArgs& a) {
+  using A = Acc<T>;
+  if (a.mode == sm::Mode::LogSoftmax) {
+    fwd_rows_log<T>(a);
+    return;
+  }
+  const int64_t K = a.K;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, a.outer, grain, [&](int64_t r0, int64_t r1) {
+    // Aligned to a cache line, so no vector access to it splits a line.
+    constexpr int64_t kPad = 64 / sizeof(A);
+    const bool need_buf = kNeedsConvert<T> || a.mode == sm::Mode::ScaledMasked;
+    std::vector<A> scratch(need_buf ? K + kPad : 0);
+    A* buf = scratch.data();
+    if (need_buf) buf += (kPad - (reinterpret_cast<std::uintptr_t>(buf) % 64) / sizeof(A)) % kPad;
+    fwd_rows_range<T>(a, r0, r1, buf);
+  });
+}
+
 
 // ------------------------------------------------------------------ forward, outer dim
 
