@@ -257,10 +257,77 @@ inline Acc<T> in_exp_sum(const T* x, Acc<T>* buf, int64_t n, Acc<T> m) {
   }
 }
 
+// Short rows (K <= kShortK): kRows rows at once, so the latency chain of
+// each row (max, its horizontal reduction, exp, the sum's reduction, the
+// reciprocal) overlaps with the others'. x and y point at kRows consecutive
+// rows; buf holds kRows * K opmath values (half types only).
+constexpr int64_t kShortK = 1024;
+constexpr int kRows = 4;
+
+template <typename T>
+inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
+  using A = Acc<T>;
+  using IO = VecIO<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t W = IO::kWidth;
+  constexpr int P = IO::kParts;
+  V mx[kRows], acc[kRows];
+  for (int r = 0; r < kRows; ++r) mx[r] = V(-std::numeric_limits<A>::infinity());
+  int64_t i = 0;
+  for (; i + W <= K; i += W) {
+    for (int r = 0; r < kRows; ++r) {
+      const auto p = IO::load(x + r * K + i);
+      for (int k = 0; k < P; ++k) mx[r] = at::vec::maximum(mx[r], p.v[k]);
+    }
+  }
+  const int64_t body = i;
+  A m[kRows], s[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return at::vec::maximum(u, w); }, mx[r]);
+    for (int64_t j = body; j < K; ++j) m[r] = max_nan(m[r], static_cast<A>(x[r * K + j]));
+    mx[r] = V(m[r]);
+    acc[r] = V(0);
+  }
+  // float: exp goes straight to y (scaled in place below); half types: to buf.
+  A* dst;
+  if constexpr (kNeedsConvert<T>) {
+    dst = buf;
+  } else {
+    dst = y;
+  }
+  for (i = 0; i < body; i += W) {
+    for (int r = 0; r < kRows; ++r) {
+      const auto p = IO::load(x + r * K + i);
+      for (int k = 0; k < P; ++k) {
+        const V e = vexp(p.v[k] - mx[r]);
+        e.store(dst + r * K + i + k * V::size());
+        acc[r] = acc[r] + e;
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    s[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc[r]);
+    if (body < K) {
+      A* b = dst + r * K;
+      for (int64_t j = body; j < K; ++j) b[j] = static_cast<A>(x[r * K + j]);
+      s[r] += exp_and_sum(b + body, b + body, K - body, m[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    if constexpr (kNeedsConvert<T>) {
+      scale_out<T>(buf + r * K, y + r * K, K, A(1) / s[r]);
+    } else {
+      const V inv(A(1) / s[r]);
+      at::vec::map([inv](V v) { return v * inv; }, y + r * K, y + r * K, K);
+    }
+  }
+}
+
 // Rows [r0, r1) of softmax / scaled_masked_softmax. float: exp(x - max) is
 // written to y and scaled in place while the row is in cache. Half types and
 // masked rows: buf (K opmath values, cache-line aligned) holds exp(x - max),
-// then y is written from it in one pass.
+// then y is written from it in one pass. Short rows go kRows at a time
+// (softmax_short_rows; for the half types buf then holds kRows * K values).
 template <typename T>
 void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
   using A = Acc<T>;
@@ -304,6 +371,11 @@ void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
       std::fill(buf + valid, buf + K, A(0));
       scale_out<T>(buf, y, K, A(1) / s);
     } else {
+      if (K <= kShortK && r + kRows <= r1) {
+        softmax_short_rows(x, y, K, buf);
+        r += kRows - 1;
+        continue;
+      }
       const A m = in_max(x, K);
       if constexpr (kNeedsConvert<T>) {
         const A s = in_exp_sum(x, buf, K, m);
@@ -355,8 +427,10 @@ void fwd_rows(const sm::FwdArgs& a) {
   at::parallel_for(0, a.outer, grain, [&](int64_t r0, int64_t r1) {
     // Aligned to a cache line, so no vector access to it splits a line.
     constexpr int64_t kPad = 64 / sizeof(A);
-    const bool need_buf = kNeedsConvert<T> || a.mode == sm::Mode::ScaledMasked;
-    std::vector<A> scratch(need_buf ? K + kPad : 0);
+    const bool half_or_masked = kNeedsConvert<T> || a.mode == sm::Mode::ScaledMasked;
+    const int64_t buf_len = half_or_masked ? (kNeedsConvert<T> && K <= kShortK ? kRows * K : K) : 0;
+    const bool need_buf = buf_len > 0;
+    std::vector<A> scratch(need_buf ? buf_len + kPad : 0);
     A* buf = scratch.data();
     if (need_buf) buf += (kPad - (reinterpret_cast<std::uintptr_t>(buf) % 64) / sizeof(A)) % kPad;
     fwd_rows_range<T>(a, r0, r1, buf);
