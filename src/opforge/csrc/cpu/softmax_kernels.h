@@ -83,6 +83,18 @@ inline Vectorized<A> vexp(const Vectorized<A>& v) {
   }
 }
 
+// exp for values that end up rounded to T: bfloat16 keeps 8 significant
+// bits, so at::vec's cheaper cubic exp (relative error far below bfloat16's
+// rounding) is used for it; other types use vexp.
+template <typename T>
+inline Vectorized<float> vexp_for(const Vectorized<float>& v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return Vectorized<float>::blendv(v.fexp_u20(), v, v != v);  // keep NaN
+  } else {
+    return vexp(v);
+  }
+}
+
 // max that propagates NaN, as torch's reductions do.
 template <typename A>
 inline A max_nan(A a, A b) {
@@ -238,8 +250,8 @@ inline Acc<T> in_exp_sum(const T* x, Acc<T>* buf, int64_t n, Acc<T> m) {
     int64_t i = 0;
     for (; i + W <= n; i += W) {
       const auto p = IO::load(x + i);
-      const V e0 = vexp(p.v[0] - vm);
-      const V e1 = vexp(p.v[1] - vm);
+      const V e0 = vexp_for<T>(p.v[0] - vm);
+      const V e1 = vexp_for<T>(p.v[1] - vm);
       e0.store(buf + i);
       e1.store(buf + i + V::size());
       acc0 = acc0 + e0;
@@ -299,7 +311,12 @@ inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
     for (int r = 0; r < kRows; ++r) {
       const auto p = IO::load(x + r * K + i);
       for (int k = 0; k < P; ++k) {
-        const V e = vexp(p.v[k] - mx[r]);
+        V e;
+        if constexpr (kNeedsConvert<T>) {
+          e = vexp_for<T>(p.v[k] - mx[r]);
+        } else {
+          e = vexp(p.v[k] - mx[r]);
+        }
         e.store(dst + r * K + i + k * V::size());
         acc[r] = acc[r] + e;
       }
