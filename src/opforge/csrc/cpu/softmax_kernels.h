@@ -508,6 +508,44 @@ void fwd_cols(const sm::FwdArgs& a) {
 
 // ------------------------------------------------------------------ backward
 
+// sum(dy * y) (softmax) or sum(dy) (log_softmax) over one row, in opmath,
+// with several independent accumulators so the adds do not form one chain.
+template <typename T, bool kLog>
+inline Acc<T> bwd_row_sum(const T* dy, const T* y, int64_t K) {
+  using A = Acc<T>;
+  using IO = VecIO<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t W = IO::kWidth;
+  constexpr int P = IO::kParts;
+  V acc[2 * P];
+  for (int k = 0; k < 2 * P; ++k) acc[k] = V(0);
+  int64_t i = 0;
+  for (; i + 2 * W <= K; i += 2 * W) {
+    for (int u = 0; u < 2; ++u) {
+      const auto g = IO::load(dy + i + u * W);
+      if constexpr (kLog) {
+        for (int k = 0; k < P; ++k) acc[u * P + k] = acc[u * P + k] + g.v[k];
+      } else {
+        const auto o = IO::load(y + i + u * W);
+        for (int k = 0; k < P; ++k) acc[u * P + k] = at::vec::fmadd(g.v[k], o.v[k], acc[u * P + k]);
+      }
+    }
+  }
+  for (; i + W <= K; i += W) {
+    const auto g = IO::load(dy + i);
+    if constexpr (kLog) {
+      for (int k = 0; k < P; ++k) acc[k] = acc[k] + g.v[k];
+    } else {
+      const auto o = IO::load(y + i);
+      for (int k = 0; k < P; ++k) acc[k] = at::vec::fmadd(g.v[k], o.v[k], acc[k]);
+    }
+  }
+  for (int k = 1; k < 2 * P; ++k) acc[0] = acc[0] + acc[k];
+  A s = at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc[0]);
+  for (; i < K; ++i) s += kLog ? static_cast<A>(dy[i]) : static_cast<A>(dy[i]) * static_cast<A>(y[i]);
+  return s;
+}
+
 // Half types, one row: the sum in one pass over (dy, y) converted on the
 // fly, then the result in a second pass (the row is in cache by then).
 template <typename T>
@@ -515,20 +553,8 @@ void bwd_row_reduced(const T* dy, const T* y, T* dx, int64_t K, bool log_mode, f
   using IO = VecIO<T>;
   using V = Vectorized<float>;
   constexpr int64_t W = IO::kWidth;
-  V acc(0);
-  int64_t i = 0;
-  for (; i + W <= K; i += W) {
-    const auto g = IO::load(dy + i);
-    if (log_mode) {
-      acc = acc + g.v[0] + g.v[1];
-    } else {
-      const auto o = IO::load(y + i);
-      acc = at::vec::fmadd(g.v[0], o.v[0], acc);
-      acc = at::vec::fmadd(g.v[1], o.v[1], acc);
-    }
-  }
-  float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc);
-  for (int64_t j = i; j < K; ++j) s += log_mode ? static_cast<float>(dy[j]) : static_cast<float>(dy[j]) * static_cast<float>(y[j]);
+  const float s = log_mode ? bwd_row_sum<T, true>(dy, y, K) : bwd_row_sum<T, false>(dy, y, K);
+  int64_t i;
   const V vs(s), vscale(scale);
   for (i = 0; i + W <= K; i += W) {
     auto g = IO::load(dy + i);
@@ -565,11 +591,10 @@ void bwd_rows(const sm::BwdArgs& a) {
         const A* y = yy + r * K;
         A* dst = gx + r * K;
         if (log_mode) {
-          const V s(at::vec::reduce_all<A>([](V& u, V& w) { return u + w; }, dy, K));
+          const V s(bwd_row_sum<T, true>(dy, y, K));
           at::vec::map2([s](V g, V o) { return g - vexp(o) * s; }, dst, dy, y, K);
         } else {
-          const V s(at::vec::map2_reduce_all<A>([](V g, V o) { return g * o; },
-                                                [](V u, V w) { return u + w; }, dy, y, K));
+          const V s(bwd_row_sum<T, false>(dy, y, K));
           const V vs(scale);
           at::vec::map2([s, vs](V g, V o) { return o * (g - s) * vs; }, dst, dy, y, K);
         }
