@@ -151,22 +151,26 @@ inline A exp_and_sum(const A* src, A* dst, int64_t n, A m) {
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
   const V vm(m);
-  V acc0(0), acc1(0);
+  // Summed in blocks of 1024 values, then the block sums (as sum_exp).
+  V acc0(0);
   int64_t i = 0;
-  for (; i + 2 * W <= n; i += 2 * W) {
-    const V e0 = vexp(V::loadu(src + i) - vm);
-    const V e1 = vexp(V::loadu(src + i + W) - vm);
-    e0.store(dst + i);
-    e1.store(dst + i + W);
-    acc0 = acc0 + e0;
-    acc1 = acc1 + e1;
-  }
-  acc0 = acc0 + acc1;
-  if (i + W <= n) {
-    const V e = vexp(V::loadu(src + i) - vm);
-    e.store(dst + i);
-    acc0 = acc0 + e;
-    i += W;
+  while (i + W <= n) {
+    const int64_t end = std::min<int64_t>(n, i + 1024);
+    V a0(0), a1(0);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      const V e0 = vexp(V::loadu(src + i) - vm);
+      const V e1 = vexp(V::loadu(src + i + W) - vm);
+      e0.store(dst + i);
+      e1.store(dst + i + W);
+      a0 = a0 + e0;
+      a1 = a1 + e1;
+    }
+    for (; i + W <= end; i += W) {
+      const V e = vexp(V::loadu(src + i) - vm);
+      e.store(dst + i);
+      a0 = a0 + e;
+    }
+    acc0 = acc0 + (a0 + a1);
   }
   if (i < n) {
     const int64_t r = n - i;
@@ -183,9 +187,20 @@ inline A sum_exp(const A* src, int64_t n, A m) {
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
   const V vm(m);
+  // Summed in blocks of 1024 values (two accumulators each), then the block
+  // sums: long rows lose far less to rounding than with one running sum.
   V acc(0);
   int64_t i = 0;
-  for (; i + W <= n; i += W) acc = acc + vexp(V::loadu(src + i) - vm);
+  while (i + W <= n) {
+    const int64_t end = std::min<int64_t>(n, i + 1024);
+    V a0(0), a1(0);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      a0 = a0 + vexp(V::loadu(src + i) - vm);
+      a1 = a1 + vexp(V::loadu(src + i + W) - vm);
+    }
+    for (; i + W <= end; i += W) a0 = a0 + vexp(V::loadu(src + i) - vm);
+    acc = acc + (a0 + a1);
+  }
   if (i < n) {
     const int64_t r = n - i;
     acc = acc + V::set(V(0), vexp(V::loadu(src + i, r) - vm), r);
@@ -562,7 +577,7 @@ void bwd_row_reduced(const T* dy, const T* y, T* dx, int64_t K, bool log_mode, f
     auto g = IO::load(dy + i);
     const auto o = IO::load(y + i);
     for (int k = 0; k < 2; ++k) {
-      g.v[k] = log_mode ? g.v[k] - vexp(o.v[k]) * vs : o.v[k] * (g.v[k] - vs) * vscale;
+      g.v[k] = log_mode ? g.v[k] - o.v[k].exp() * vs : o.v[k] * (g.v[k] - vs) * vscale;
     }
     IO::store(dx + i, g);
   }
@@ -594,7 +609,7 @@ void bwd_rows(const sm::BwdArgs& a) {
         A* dst = gx + r * K;
         if (log_mode) {
           const V s(bwd_row_sum<T, true>(dy, y, K));
-          at::vec::map2([s](V g, V o) { return g - vexp(o) * s; }, dst, dy, y, K);
+          at::vec::map2([s](V g, V o) { return g - o.exp() * s; }, dst, dy, y, K);
         } else {
           const V s(bwd_row_sum<T, false>(dy, y, K));
           const V vs(scale);
@@ -640,7 +655,7 @@ void bwd_cols(const sm::BwdArgs& a) {
         to_acc(gy + base + k * inner, g, n);
         to_acc(yy + base + k * inner, o, n);
         if (log_mode) {
-          at::vec::map3([](V u, V w, V s) { return u - vexp(w) * s; }, g, g, o, sum, n);
+          at::vec::map3([](V u, V w, V s) { return u - w.exp() * s; }, g, g, o, sum, n);
         } else {
           at::vec::map3([vs](V u, V w, V s) { return w * (u - s) * vs; }, g, g, o, sum, n);
         }
