@@ -16,6 +16,7 @@
 #include <c10/util/irange.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -82,6 +83,18 @@ inline Vectorized<A> vexp(const Vectorized<A>& v) {
   }
 }
 
+// exp for values that end up rounded to T: bfloat16 keeps 8 significant
+// bits, so at::vec's cheaper cubic exp (relative error far below bfloat16's
+// rounding) is used for it; other types use vexp.
+template <typename T>
+inline Vectorized<float> vexp_for(const Vectorized<float>& v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return Vectorized<float>::blendv(v.fexp_u20(), v, v != v);  // keep NaN
+  } else {
+    return vexp(v);
+  }
+}
+
 // max that propagates NaN, as torch's reductions do.
 template <typename A>
 inline A max_nan(A a, A b) {
@@ -138,22 +151,26 @@ inline A exp_and_sum(const A* src, A* dst, int64_t n, A m) {
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
   const V vm(m);
-  V acc0(0), acc1(0);
+  // Summed in blocks of 1024 values, then the block sums (as sum_exp).
+  V acc0(0);
   int64_t i = 0;
-  for (; i + 2 * W <= n; i += 2 * W) {
-    const V e0 = vexp(V::loadu(src + i) - vm);
-    const V e1 = vexp(V::loadu(src + i + W) - vm);
-    e0.store(dst + i);
-    e1.store(dst + i + W);
-    acc0 = acc0 + e0;
-    acc1 = acc1 + e1;
-  }
-  acc0 = acc0 + acc1;
-  if (i + W <= n) {
-    const V e = vexp(V::loadu(src + i) - vm);
-    e.store(dst + i);
-    acc0 = acc0 + e;
-    i += W;
+  while (i + W <= n) {
+    const int64_t end = std::min<int64_t>(n, i + 1024);
+    V a0(0), a1(0);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      const V e0 = vexp(V::loadu(src + i) - vm);
+      const V e1 = vexp(V::loadu(src + i + W) - vm);
+      e0.store(dst + i);
+      e1.store(dst + i + W);
+      a0 = a0 + e0;
+      a1 = a1 + e1;
+    }
+    for (; i + W <= end; i += W) {
+      const V e = vexp(V::loadu(src + i) - vm);
+      e.store(dst + i);
+      a0 = a0 + e;
+    }
+    acc0 = acc0 + (a0 + a1);
   }
   if (i < n) {
     const int64_t r = n - i;
@@ -170,9 +187,20 @@ inline A sum_exp(const A* src, int64_t n, A m) {
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
   const V vm(m);
+  // Summed in blocks of 1024 values (two accumulators each), then the block
+  // sums: long rows lose far less to rounding than with one running sum.
   V acc(0);
   int64_t i = 0;
-  for (; i + W <= n; i += W) acc = acc + vexp(V::loadu(src + i) - vm);
+  while (i + W <= n) {
+    const int64_t end = std::min<int64_t>(n, i + 1024);
+    V a0(0), a1(0);
+    for (; i + 2 * W <= end; i += 2 * W) {
+      a0 = a0 + vexp(V::loadu(src + i) - vm);
+      a1 = a1 + vexp(V::loadu(src + i + W) - vm);
+    }
+    for (; i + W <= end; i += W) a0 = a0 + vexp(V::loadu(src + i) - vm);
+    acc = acc + (a0 + a1);
+  }
   if (i < n) {
     const int64_t r = n - i;
     acc = acc + V::set(V(0), vexp(V::loadu(src + i, r) - vm), r);
@@ -182,90 +210,267 @@ inline A sum_exp(const A* src, int64_t n, A m) {
 
 // ------------------------------------------------------------------ forward, inner-most dim
 
+// y[0, n) = T(buf * mul), rounded once.
 template <typename T>
-void fwd_rows(const sm::FwdArgs& a) {
+inline void scale_out(const Acc<T>* buf, T* y, int64_t n, Acc<T> mul) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t W = Vectorized<T>::size();
+  const V vm(mul);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    Vectorized<T> r;
+    if constexpr (kNeedsConvert<T>) {
+      r = at::vec::convert_from_float<T>(V::loadu(buf + i) * vm, V::loadu(buf + i + V::size()) * vm);
+    } else {
+      r = V::loadu(buf + i) * vm;
+    }
+    r.store(y + i);
+  }
+  for (; i < n; ++i) y[i] = static_cast<T>(buf[i] * mul);
+}
+
+// max of n values of T, computed in opmath (NaN propagates).
+template <typename T>
+inline Acc<T> in_max(const T* x, int64_t n) {
+  if constexpr (kNeedsConvert<T>) {
+    using IO = VecIO<T>;
+    using V = Vectorized<float>;
+    constexpr int64_t W = IO::kWidth;
+    V m0(-std::numeric_limits<float>::infinity()), m1 = m0;
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const auto p = IO::load(x + i);
+      m0 = at::vec::maximum(m0, p.v[0]);
+      m1 = at::vec::maximum(m1, p.v[1]);
+    }
+    m0 = at::vec::maximum(m0, m1);
+    float m = at::vec::vec_reduce_all<float>([](V& u, V& w) { return at::vec::maximum(u, w); }, m0);
+    for (; i < n; ++i) m = max_nan(m, static_cast<float>(x[i]));
+    return m;
+  } else {
+    return row_max(x, n);
+  }
+}
+
+// buf = exp(x - m) in opmath; returns the sum.
+template <typename T>
+inline Acc<T> in_exp_sum(const T* x, Acc<T>* buf, int64_t n, Acc<T> m) {
+  if constexpr (kNeedsConvert<T>) {
+    using IO = VecIO<T>;
+    using V = Vectorized<float>;
+    constexpr int64_t W = IO::kWidth;
+    const V vm(m);
+    V acc0(0), acc1(0);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) {
+      const auto p = IO::load(x + i);
+      const V e0 = vexp_for<T>(p.v[0] - vm);
+      const V e1 = vexp_for<T>(p.v[1] - vm);
+      e0.store(buf + i);
+      e1.store(buf + i + V::size());
+      acc0 = acc0 + e0;
+      acc1 = acc1 + e1;
+    }
+    acc0 = acc0 + acc1;
+    float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc0);
+    if (i < n) {
+      for (int64_t j = i; j < n; ++j) buf[j] = static_cast<float>(x[j]);
+      s += exp_and_sum(buf + i, buf + i, n - i, m);
+    }
+    return s;
+  } else {
+    return exp_and_sum(x, buf, n, m);
+  }
+}
+
+// Short rows (K <= kShortK): kRows rows at once, so the latency chain of
+// each row (max, its horizontal reduction, exp, the sum's reduction, the
+// reciprocal) overlaps with the others'. x and y point at kRows consecutive
+// rows; buf holds kRows * K opmath values (half types only). Used for the
+// half types: for float32 it measured no faster than row by row, and at
+// times slower.
+constexpr int64_t kShortK = 1024;
+constexpr int kRows = 4;
+
+template <typename T>
+inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
+  using A = Acc<T>;
+  using IO = VecIO<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t W = IO::kWidth;
+  constexpr int P = IO::kParts;
+  V mx[kRows], acc[kRows];
+  for (int r = 0; r < kRows; ++r) mx[r] = V(-std::numeric_limits<A>::infinity());
+  int64_t i = 0;
+  for (; i + W <= K; i += W) {
+    for (int r = 0; r < kRows; ++r) {
+      const auto p = IO::load(x + r * K + i);
+      for (int k = 0; k < P; ++k) mx[r] = at::vec::maximum(mx[r], p.v[k]);
+    }
+  }
+  const int64_t body = i;
+  A m[kRows], s[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    m[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return at::vec::maximum(u, w); }, mx[r]);
+    for (int64_t j = body; j < K; ++j) m[r] = max_nan(m[r], static_cast<A>(x[r * K + j]));
+    mx[r] = V(m[r]);
+    acc[r] = V(0);
+  }
+  // float: exp goes straight to y (scaled in place below); half types: to buf.
+  A* dst;
+  if constexpr (kNeedsConvert<T>) {
+    dst = buf;
+  } else {
+    dst = y;
+  }
+  for (i = 0; i < body; i += W) {
+    for (int r = 0; r < kRows; ++r) {
+      const auto p = IO::load(x + r * K + i);
+      for (int k = 0; k < P; ++k) {
+        V e;
+        if constexpr (kNeedsConvert<T>) {
+          e = vexp_for<T>(p.v[k] - mx[r]);
+        } else {
+          e = vexp(p.v[k] - mx[r]);
+        }
+        e.store(dst + r * K + i + k * V::size());
+        acc[r] = acc[r] + e;
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    s[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc[r]);
+    if (body < K) {
+      A* b = dst + r * K;
+      for (int64_t j = body; j < K; ++j) b[j] = static_cast<A>(x[r * K + j]);
+      s[r] += exp_and_sum(b + body, b + body, K - body, m[r]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    if constexpr (kNeedsConvert<T>) {
+      scale_out<T>(buf + r * K, y + r * K, K, A(1) / s[r]);
+    } else {
+      const V inv(A(1) / s[r]);
+      at::vec::map([inv](V v) { return v * inv; }, y + r * K, y + r * K, K);
+    }
+  }
+}
+
+// Rows [r0, r1) of softmax / scaled_masked_softmax. float: exp(x - max) is
+// written to y and scaled in place while the row is in cache. Half types and
+// masked rows: buf (K opmath values, cache-line aligned) holds exp(x - max),
+// then y is written from it in one pass. Short half-type rows go kRows at a
+// time (softmax_short_rows; buf then holds kRows * K values).
+template <typename T>
+void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
   using A = Acc<T>;
   using V = Vectorized<A>;
   const int64_t K = a.K;
-  const int64_t rows = a.outer;
   const T* in = static_cast<const T*>(a.in);
   T* out = static_cast<T*>(a.out);
   const bool masked_mode = a.mode == sm::Mode::ScaledMasked;
-  const bool need_buf = kNeedsConvert<T> || masked_mode;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* x = in + r * K;
+    T* y = out + r * K;
+    if (masked_mode) {
+      // buf[0, valid) = x * scale + mask (-inf where masked); the keys
+      // above the diagonal are skipped and come out as 0.
+      const int64_t valid = a.causal ? std::min<int64_t>(K, r % a.Lq + 1) : K;
+      to_acc(x, buf, valid);
+      const V vs(static_cast<A>(a.scale));
+      at::vec::map([vs](V v) { return v * vs; }, buf, buf, valid);
+      if (a.mask != nullptr) {
+        const int64_t moff = a.mask_rows(r);
+        if (a.mask_is_bool) {
+          const bool* mk = static_cast<const bool*>(a.mask) + moff;
+          for (int64_t j = 0; j < valid; ++j) buf[j] = mk[j] ? -std::numeric_limits<A>::infinity() : buf[j];
+        } else {
+          const T* mk = static_cast<const T*>(a.mask) + moff;
+          if constexpr (kNeedsConvert<T>) {
+            for (int64_t j = 0; j < valid; ++j) buf[j] += static_cast<A>(mk[j]);
+          } else {
+            at::vec::map2([](V u, V w) { return u + w; }, buf, buf, mk, valid);
+          }
+        }
+      }
+      const A m = row_max(buf, valid);
+      if (m == -std::numeric_limits<A>::infinity()) {
+        // Every key masked out: zeros (documented), not NaN.
+        std::fill(buf, buf + K, A(0));
+        scale_out<T>(buf, y, K, A(0));
+        continue;
+      }
+      const A s = exp_and_sum(buf, buf, valid, m);
+      std::fill(buf + valid, buf + K, A(0));
+      scale_out<T>(buf, y, K, A(1) / s);
+    } else {
+      if (kNeedsConvert<T> && K <= kShortK && r + kRows <= r1) {
+        softmax_short_rows(x, y, K, buf);
+        r += kRows - 1;
+        continue;
+      }
+      const A m = in_max(x, K);
+      if constexpr (kNeedsConvert<T>) {
+        const A s = in_exp_sum(x, buf, K, m);
+        scale_out<T>(buf, y, K, A(1) / s);
+      } else {
+        const V inv(A(1) / exp_and_sum(x, y, K, m));
+        at::vec::map([inv](V v) { return v * inv; }, y, y, K);
+      }
+    }
+  }
+}
 
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<A> scratch(need_buf ? K : 0);
+template <typename T>
+void fwd_rows_log(const sm::FwdArgs& a) {
+  using A = Acc<T>;
+  using V = Vectorized<A>;
+  const int64_t K = a.K;
+  const T* in = static_cast<const T*>(a.in);
+  T* out = static_cast<T*>(a.out);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, a.outer, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<A> scratch(kNeedsConvert<T> ? K : 0);
     A* buf = scratch.data();
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = in + r * K;
       T* y = out + r * K;
-      const A* src;
-      if (masked_mode) {
-        // buf = x * scale + mask, -inf where masked or above the diagonal.
-        const int64_t valid = a.causal ? std::min<int64_t>(K, r % a.Lq + 1) : K;
-        to_acc(x, buf, valid);
-        const V vs(static_cast<A>(a.scale));
-        at::vec::map([vs](V v) { return v * vs; }, buf, buf, valid);
-        if (a.mask != nullptr) {
-          const int64_t moff = a.mask_rows(r);
-          if (a.mask_is_bool) {
-            const bool* mk = static_cast<const bool*>(a.mask) + moff;
-            for (int64_t j = 0; j < valid; ++j) buf[j] = mk[j] ? -std::numeric_limits<A>::infinity() : buf[j];
-          } else {
-            const T* mk = static_cast<const T*>(a.mask) + moff;
-            if constexpr (kNeedsConvert<T>) {
-              for (int64_t j = 0; j < valid; ++j) buf[j] += static_cast<A>(mk[j]);
-            } else {
-              at::vec::map2([](V u, V w) { return u + w; }, buf, buf, mk, valid);
-            }
-          }
-        }
-        for (int64_t j = valid; j < K; ++j) buf[j] = -std::numeric_limits<A>::infinity();
-        src = buf;
-      } else if constexpr (kNeedsConvert<T>) {
-        src = buf;
-      } else {
-        src = x;
-      }
-
-      A m;
       if constexpr (kNeedsConvert<T>) {
-        m = masked_mode ? row_max(src, K) : to_acc_max(x, buf, K);
+        const A m = to_acc_max(x, buf, K);
+        const A c = m + std::log(sum_exp(buf, K, m));
+        affine_from_acc(buf, y, K, 1.f, -c);
       } else {
-        m = row_max(src, K);
-      }
-      if (masked_mode && m == -std::numeric_limits<A>::infinity()) {
-        // Every key masked out: zeros (documented), not NaN.
-        std::fill(y, y + K, T(0));
-        continue;
-      }
-      if (a.mode == sm::Mode::LogSoftmax) {
-        const A c = m + std::log(sum_exp(src, K, m));
-        const V vc(c);
-        if constexpr (kNeedsConvert<T>) {
-          affine_from_acc(buf, y, K, 1.f, -c);
-        } else {
-          at::vec::map([vc](V v) { return v - vc; }, y, src, K);
-        }
-      } else {
-        A* dst;
-        if constexpr (kNeedsConvert<T>) {
-          dst = buf;
-        } else {
-          dst = y;
-        }
-        const A s = exp_and_sum(src, dst, K, m);
-        if constexpr (kNeedsConvert<T>) {
-          affine_from_acc(buf, y, K, A(1) / s, 0.f);
-        } else {
-          const V inv(A(1) / s);
-          at::vec::map([inv](V v) { return v * inv; }, dst, dst, K);
-        }
+        const A m = row_max(x, K);
+        const V vc(m + std::log(sum_exp(x, K, m)));
+        at::vec::map([vc](V v) { return v - vc; }, y, x, K);
       }
     }
   });
 }
+
+template <typename T>
+void fwd_rows(const sm::FwdArgs& a) {
+  using A = Acc<T>;
+  if (a.mode == sm::Mode::LogSoftmax) {
+    fwd_rows_log<T>(a);
+    return;
+  }
+  const int64_t K = a.K;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(K, 1));
+  at::parallel_for(0, a.outer, grain, [&](int64_t r0, int64_t r1) {
+    // Aligned to a cache line, so no vector access to it splits a line.
+    constexpr int64_t kPad = 64 / sizeof(A);
+    const bool half_or_masked = kNeedsConvert<T> || a.mode == sm::Mode::ScaledMasked;
+    const int64_t buf_len = half_or_masked ? (kNeedsConvert<T> && K <= kShortK ? kRows * K : K) : 0;
+    const bool need_buf = buf_len > 0;
+    std::vector<A> scratch(need_buf ? buf_len + kPad : 0);
+    A* buf = scratch.data();
+    if (need_buf) buf += (kPad - (reinterpret_cast<std::uintptr_t>(buf) % 64) / sizeof(A)) % kPad;
+    fwd_rows_range<T>(a, r0, r1, buf);
+  });
+}
+
 
 // ------------------------------------------------------------------ forward, outer dim
 
@@ -320,6 +525,44 @@ void fwd_cols(const sm::FwdArgs& a) {
 
 // ------------------------------------------------------------------ backward
 
+// sum(dy * y) (softmax) or sum(dy) (log_softmax) over one row, in opmath,
+// with several independent accumulators so the adds do not form one chain.
+template <typename T, bool kLog>
+inline Acc<T> bwd_row_sum(const T* dy, const T* y, int64_t K) {
+  using A = Acc<T>;
+  using IO = VecIO<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t W = IO::kWidth;
+  constexpr int P = IO::kParts;
+  V acc[2 * P];
+  for (int k = 0; k < 2 * P; ++k) acc[k] = V(0);
+  int64_t i = 0;
+  for (; i + 2 * W <= K; i += 2 * W) {
+    for (int u = 0; u < 2; ++u) {
+      const auto g = IO::load(dy + i + u * W);
+      if constexpr (kLog) {
+        for (int k = 0; k < P; ++k) acc[u * P + k] = acc[u * P + k] + g.v[k];
+      } else {
+        const auto o = IO::load(y + i + u * W);
+        for (int k = 0; k < P; ++k) acc[u * P + k] = at::vec::fmadd(g.v[k], o.v[k], acc[u * P + k]);
+      }
+    }
+  }
+  for (; i + W <= K; i += W) {
+    const auto g = IO::load(dy + i);
+    if constexpr (kLog) {
+      for (int k = 0; k < P; ++k) acc[k] = acc[k] + g.v[k];
+    } else {
+      const auto o = IO::load(y + i);
+      for (int k = 0; k < P; ++k) acc[k] = at::vec::fmadd(g.v[k], o.v[k], acc[k]);
+    }
+  }
+  for (int k = 1; k < 2 * P; ++k) acc[0] = acc[0] + acc[k];
+  A s = at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc[0]);
+  for (; i < K; ++i) s += kLog ? static_cast<A>(dy[i]) : static_cast<A>(dy[i]) * static_cast<A>(y[i]);
+  return s;
+}
+
 // Half types, one row: the sum in one pass over (dy, y) converted on the
 // fly, then the result in a second pass (the row is in cache by then).
 template <typename T>
@@ -327,26 +570,14 @@ void bwd_row_reduced(const T* dy, const T* y, T* dx, int64_t K, bool log_mode, f
   using IO = VecIO<T>;
   using V = Vectorized<float>;
   constexpr int64_t W = IO::kWidth;
-  V acc(0);
-  int64_t i = 0;
-  for (; i + W <= K; i += W) {
-    const auto g = IO::load(dy + i);
-    if (log_mode) {
-      acc = acc + g.v[0] + g.v[1];
-    } else {
-      const auto o = IO::load(y + i);
-      acc = at::vec::fmadd(g.v[0], o.v[0], acc);
-      acc = at::vec::fmadd(g.v[1], o.v[1], acc);
-    }
-  }
-  float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc);
-  for (int64_t j = i; j < K; ++j) s += log_mode ? static_cast<float>(dy[j]) : static_cast<float>(dy[j]) * static_cast<float>(y[j]);
+  const float s = log_mode ? bwd_row_sum<T, true>(dy, y, K) : bwd_row_sum<T, false>(dy, y, K);
+  int64_t i;
   const V vs(s), vscale(scale);
   for (i = 0; i + W <= K; i += W) {
     auto g = IO::load(dy + i);
     const auto o = IO::load(y + i);
     for (int k = 0; k < 2; ++k) {
-      g.v[k] = log_mode ? g.v[k] - vexp(o.v[k]) * vs : o.v[k] * (g.v[k] - vs) * vscale;
+      g.v[k] = log_mode ? g.v[k] - o.v[k].exp() * vs : o.v[k] * (g.v[k] - vs) * vscale;
     }
     IO::store(dx + i, g);
   }
@@ -377,11 +608,10 @@ void bwd_rows(const sm::BwdArgs& a) {
         const A* y = yy + r * K;
         A* dst = gx + r * K;
         if (log_mode) {
-          const V s(at::vec::reduce_all<A>([](V& u, V& w) { return u + w; }, dy, K));
-          at::vec::map2([s](V g, V o) { return g - vexp(o) * s; }, dst, dy, y, K);
+          const V s(bwd_row_sum<T, true>(dy, y, K));
+          at::vec::map2([s](V g, V o) { return g - o.exp() * s; }, dst, dy, y, K);
         } else {
-          const V s(at::vec::map2_reduce_all<A>([](V g, V o) { return g * o; },
-                                                [](V u, V w) { return u + w; }, dy, y, K));
+          const V s(bwd_row_sum<T, false>(dy, y, K));
           const V vs(scale);
           at::vec::map2([s, vs](V g, V o) { return o * (g - s) * vs; }, dst, dy, y, K);
         }
@@ -425,7 +655,7 @@ void bwd_cols(const sm::BwdArgs& a) {
         to_acc(gy + base + k * inner, g, n);
         to_acc(yy + base + k * inner, o, n);
         if (log_mode) {
-          at::vec::map3([](V u, V w, V s) { return u - vexp(w) * s; }, g, g, o, sum, n);
+          at::vec::map3([](V u, V w, V s) { return u - w.exp() * s; }, g, g, o, sum, n);
         } else {
           at::vec::map3([vs](V u, V w, V s) { return w * (u - s) * vs; }, g, g, o, sum, n);
         }
