@@ -47,7 +47,7 @@ gpu-check:
 
 # The committed results in docs/benchmarks/, regenerated on an idle machine:
 # `make bench-docs` on the 2-core CPU, `make bench-docs DEVICE=cuda` on the
-# H200 (one run per op family: each fits a 10-minute slot).
+# H200 (one run per op family, a few minutes each).
 DEVICE ?= cpu
 GPU_NAME ?= h200
 bench-docs:
