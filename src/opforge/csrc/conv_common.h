@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -71,6 +72,26 @@ inline Geometry check_conv_args(const char* op, const at::Tensor& x, const at::T
 inline at::MemoryFormat out_format(const at::Tensor& x) {
   return x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ? at::MemoryFormat::ChannelsLast
                                                                      : at::MemoryFormat::Contiguous;
+}
+
+// The forward's operands as every backend's kernels read them: x in the
+// output's memory format, weight contiguous, bias contiguous (undefined when
+// absent).
+struct ForwardOperands {
+  at::MemoryFormat fmt;
+  bool nhwc;
+  at::Tensor x, w, bias;
+};
+
+inline ForwardOperands forward_operands(const at::Tensor& x, const at::Tensor& w,
+                                        const c10::optional<at::Tensor>& bias) {
+  const auto fmt = out_format(x);
+  return {fmt, fmt == at::MemoryFormat::ChannelsLast, x.contiguous(fmt), w.contiguous(),
+          (bias.has_value() && bias->defined()) ? bias->contiguous() : at::Tensor()};
+}
+
+inline at::Tensor empty_output(const Geometry& g, const ForwardOperands& o) {
+  return at::empty({g.N, g.K, g.Ho, g.Wo}, o.x.options().memory_format(o.fmt));
 }
 
 inline void check_backward_args(const char* op, const at::Tensor& grad_out, const c10::optional<at::Tensor>& result,

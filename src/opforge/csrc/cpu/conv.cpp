@@ -196,26 +196,24 @@ at::Tensor dense_forward_onednn(const at::Tensor& x, const at::Tensor& w, const 
 at::Tensor conv2d_3x3_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in,
                           int64_t stride, int64_t padding, int64_t groups, bool relu) {
   const Geometry g = opforge::conv::check_conv_args(kOp, x_in, w_in, bias_in, stride, padding, groups);
-  const auto fmt = opforge::conv::out_format(x_in);
-  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
-  at::Tensor out = at::empty({g.N, g.K, g.Ho, g.Wo}, x_in.options().memory_format(fmt));
-  if (out.numel() == 0) return out;
-  const at::Tensor x = x_in.contiguous(fmt);
-  const at::Tensor w = w_in.contiguous();
-  const at::Tensor bias = (bias_in.has_value() && bias_in->defined()) ? bias_in->contiguous() : at::Tensor();
+  const auto o = opforge::conv::forward_operands(x_in, w_in, bias_in);
+  if (g.N * g.K * g.Ho * g.Wo == 0) return opforge::conv::empty_output(g, o);
+  if (!g.depthwise) {
+    const at::Tensor fused = dense_forward_onednn(o.x, o.w, o.bias, relu, g);
+    if (fused.defined()) return fused.contiguous(o.fmt);
+  }
+  at::Tensor out = opforge::conv::empty_output(g, o);
   if (g.depthwise) {
     opforge::conv::DwParams p{g.N, g.C, g.H, g.W, g.K, g.Ho, g.Wo, g.stride, g.pad, g.mult, relu,
-                              x.const_data_ptr(), w.const_data_ptr(),
-                              bias.defined() ? bias.const_data_ptr() : nullptr, out.data_ptr()};
-    if (nhwc) {
-      OPFORGE_CPU_SELECT(conv_dw_nhwc)(x.scalar_type(), p);
+                              o.x.const_data_ptr(), o.w.const_data_ptr(),
+                              o.bias.defined() ? o.bias.const_data_ptr() : nullptr, out.data_ptr()};
+    if (o.nhwc) {
+      OPFORGE_CPU_SELECT(conv_dw_nhwc)(o.x.scalar_type(), p);
     } else {
-      OPFORGE_CPU_SELECT(conv_dw_nchw)(x.scalar_type(), p);
+      OPFORGE_CPU_SELECT(conv_dw_nchw)(o.x.scalar_type(), p);
     }
   } else {
-    const at::Tensor fused = dense_forward_onednn(x, w, bias, relu, g);
-    if (fused.defined()) return fused.contiguous(fmt);
-    dense_forward(x, w, bias, relu, out, g, nhwc);
+    dense_forward(o.x, o.w, o.bias, relu, out, g, o.nhwc);
   }
   return out;
 }

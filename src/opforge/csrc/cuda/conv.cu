@@ -111,13 +111,12 @@ at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const
                            int64_t stride, int64_t padding, int64_t groups, bool relu) {
   const Geometry g = opforge::conv::check_conv_args(kOp, x_in, w_in, bias_in, stride, padding, groups);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  const auto fmt = opforge::conv::out_format(x_in);
-  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
-  at::Tensor out = at::empty({g.N, g.K, g.Ho, g.Wo}, x_in.options().memory_format(fmt));
+  const auto o = opforge::conv::forward_operands(x_in, w_in, bias_in);
+  const at::MemoryFormat fmt = o.fmt;
+  const bool nhwc = o.nhwc;
+  const at::Tensor &x = o.x, &w = o.w, &bias = o.bias;
+  at::Tensor out = opforge::conv::empty_output(g, o);
   if (out.numel() == 0) return out;
-  const at::Tensor x = x_in.contiguous(fmt);
-  const at::Tensor w = w_in.contiguous();
-  const at::Tensor bias = (bias_in.has_value() && bias_in->defined()) ? bias_in->contiguous() : at::Tensor();
   if (g.depthwise) {
     opforge::conv::depthwise_forward_cuda(x, w, bias, relu, out, g, nhwc);
     return out;
