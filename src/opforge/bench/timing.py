@@ -18,6 +18,7 @@ class Timing:
     median_ms: float
     p20_ms: float
     p80_ms: float
+    host_ms: float | None = None  # host time to issue one call (GPU only)
 
     @classmethod
     def from_samples(cls, samples_ms: list[float]) -> "Timing":
@@ -30,8 +31,34 @@ class Timing:
         return cls(med, min(q[1], med), max(q[7], med))
 
 
+_SPIN_CYCLES_PER_MS: list[float] = []
+
+
+def _spin_cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond, measured once."""
+    if not _SPIN_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # loads the spin kernel
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _SPIN_CYCLES_PER_MS.append(2_000_000 / max(start.elapsed_time(end), 1e-3))
+    return _SPIN_CYCLES_PER_MS[0]
+
+
 def time_cuda(fn, *, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_reps: int = 10) -> Timing:
-    """Median of per-call CUDA-event timings (like triton's do_bench)."""
+    """Median of per-call CUDA-event timings of the GPU's own work.
+
+    Before each timed call a spin kernel (``torch.cuda._sleep``) is queued,
+    long enough for the host to queue the start event, the call and the end
+    event behind it: the events then bracket the call's kernels back to back,
+    not the host's time to reach them (the role of nvbench's blocking kernel
+    and of the cache flush in triton's ``do_bench``). Host overhead per call
+    is measured apart (``host_ms`` in the JSON).
+    """
+    import time
+
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -42,15 +69,29 @@ def time_cuda(fn, *, warmup_ms: float = 25.0, rep_ms: float = 100.0, min_reps: i
     est = max(start.elapsed_time(end) / 5, 1e-3)
     for _ in range(max(1, int(warmup_ms / est))):
         fn()
-    reps = max(min_reps, int(rep_ms / est))
+    torch.cuda.synchronize()
+    # Host time of one call, while the GPU is kept busy so launches never wait.
+    torch.cuda._sleep(int(_spin_cycles_per_ms() * 20))
+    t0 = time.perf_counter()
+    for _ in range(10):
+        start.record()
+        fn()
+        end.record()
+    host_ms = (time.perf_counter() - t0) * 1e3 / 10
+    torch.cuda.synchronize()
+    lead_cycles = int(_spin_cycles_per_ms() * max(0.02, 3 * host_ms))
+    reps = max(min_reps, int(rep_ms / (est + 3 * host_ms)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
+        torch.cuda._sleep(lead_cycles)
         starts[i].record()
         fn()
         ends[i].record()
     torch.cuda.synchronize()
-    return Timing.from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)])
+    t = Timing.from_samples([s.elapsed_time(e) for s, e in zip(starts, ends)])
+    t.host_ms = host_ms
+    return t
 
 
 def time_cpu(fn, *, min_run_time: float = 0.2) -> Timing:
@@ -73,7 +114,10 @@ CPU_MIN_RUN_TIME = {False: 0.3, True: 0.1}
 def describe(device: str, quick: bool = False) -> str:
     """The timer and its budget, in words (recorded with the results)."""
     if device == "cuda":
-        return f"CUDA events per call, {CUDA_REP_MS[quick]:g} ms of reps after 25 ms of warm-up"
+        return (
+            f"CUDA events per call behind a spin kernel (device time), {CUDA_REP_MS[quick]:g} ms of reps"
+            " after 25 ms of warm-up"
+        )
     return f"torch.utils.benchmark blocked_autorange, min_run_time {CPU_MIN_RUN_TIME[quick]:g} s"
 
 
