@@ -558,3 +558,47 @@ def test_cuda_misaligned_vector_fallback():
         y = opforge.softmax(x)
         g = rand((4, 4096), dtype, "cuda")
         assert_close(torch.ops.opforge._softmax_backward(g, y, -1).cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
+
+
+# Explicit launch plans (threads per row, rows per block, vectors per thread,
+# cluster): every kind of plan the default heuristic may choose, on row
+# lengths that fill a block exactly, partly, or spill into a last chunk.
+PLANS = [
+    (128, (32, 4, 1, False)),  # warp per row, several rows per block
+    (128, (8, 16, 4, False)),  # a slice of a warp per row
+    (1000, (1, 128, 16, False)),  # a thread per row holding the row (vectors of 1 when unaligned)
+    (4096, (256, 1, 4, False)),  # block per row
+    (40000, (512, 1, 4, True)),  # cluster of several blocks (or split where clusters are unavailable)
+    (70001, (512, 1, 8, True)),  # cluster past 8 blocks for scalar loads
+    (40000, (256, 1, 2, False)),  # two-pass split
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("K,plan", PLANS)
+def test_cuda_explicit_plans(dtype, K, plan):
+    x = rand((6, K), dtype, "cuda", scale=3.0)
+    x[1, K // 3] = float("-inf")
+    with poisoned("cuda"):
+        y = torch.ops.opforge._softmax_plan(x, *plan)
+    assert_close(y.cpu(), ref("softmax", x, -1), rtol_scale=max(1.0, K / 100000))
+    g = rand((6, K), dtype, "cuda")
+    with poisoned("cuda"):
+        gx = torch.ops.opforge._softmax_backward_plan(g, y, *plan)
+    assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
+
+
+@pytest.mark.cuda
+def test_cuda_explicit_plan_errors():
+    x = torch.randn(4, 1024, device="cuda")
+    with pytest.raises(ValueError, match="threads_per_row must be a power of two in \\[1, 512\\], got 48"):
+        torch.ops.opforge._softmax_plan(x, 48, 1, 1, False)
+    with pytest.raises(ValueError, match="rows_per_block must be a power of two with rows_per_block x threads_per_row"):
+        torch.ops.opforge._softmax_plan(x, 256, 4, 1, False)
+    with pytest.raises(ValueError, match="vectors_per_thread must be a power of two <= 16 .* got 32"):
+        torch.ops.opforge._softmax_plan(x, 32, 1, 32, False)
+    with pytest.raises(ValueError, match="a plan that splits rows needs one row per block"):
+        torch.ops.opforge._softmax_plan(x, 32, 4, 1, False)
+    with pytest.raises(ValueError, match="threads_per_row must be in \\[1, 512\\], got 0"):
+        torch.ops.opforge._softmax_plan(x, 0, 1, 1, False)

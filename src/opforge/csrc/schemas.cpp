@@ -51,6 +51,13 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   m.def("_log_softmax_backward(Tensor grad, Tensor output, int dim) -> Tensor");
   // scale * y * (grad - sum(grad * y)) over the last dim.
   m.def("_scaled_masked_softmax_backward(Tensor grad, Tensor output, float scale) -> Tensor");
+  // CUDA only, for measuring launch plans (bench/softmax_plans.py):
+  // softmax and its backward over the last dim with a given plan: threads
+  // per row (or per chunk of a longer row), rows per block, 16-byte vectors
+  // per thread, and whether a row longer than one block may use a cluster.
+  m.def("_softmax_plan(Tensor x, int threads_per_row, int rows_per_block, int vectors_per_thread, bool cluster) -> Tensor");
+  m.def("_softmax_backward_plan(Tensor grad, Tensor output, int threads_per_row, int rows_per_block, "
+        "int vectors_per_thread, bool cluster) -> Tensor");
 }
 
 // ---- conv family (ops/conv.py) ----------------------------------------------

@@ -6,11 +6,18 @@
 //  * medium rows (up to 512 threads x 64 registers of values: 32K elements for
 //    float32/bfloat16): a block per row, the row held in registers, so the
 //    input is read once and the output written once;
-//  * longer rows, with no cap: each row is split into chunks of a block's
-//    capacity; pass 1 writes each chunk's (max, sum of exp) to a small
-//    workspace, pass 2 combines a row's partials and writes its chunk. Rows
-//    are processed in batches that fit in half the L2 cache, so pass 2's
-//    re-read of the input is served by L2.
+//  * longer rows, on Hopper and later: the row is split over a cluster of up
+//    to 16 blocks, each holding its chunk in registers; the blocks exchange
+//    their chunk's (max, sum of exp) through distributed shared memory, so
+//    the input is still read once, in one launch;
+//  * longer rows still, or GPUs without clusters, with no cap: each row is
+//    split into chunks of a block's capacity; pass 1 writes each chunk's
+//    (max, sum of exp) to a small workspace, pass 2 combines a row's
+//    partials and writes its chunk. Rows are processed in batches that fit
+//    in half the L2 cache, so pass 2's re-read of the input is served by L2.
+// Which of these runs, and with how many threads and values per thread, is
+// the launch plan (make_plan); `_softmax_plan` / `_softmax_backward_plan`
+// run a given plan, so a sweep can measure the alternatives.
 // Loads and stores are 16-byte vectors when K is a multiple of the vector
 // width and the pointers are aligned, scalar otherwise.
 //
@@ -32,7 +39,12 @@
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
 
+#include <cooperative_groups.h>
+
 #include <limits>
+#include <mutex>
+#include <map>
+#include <tuple>
 
 #include "softmax_host.h"
 
@@ -97,6 +109,74 @@ __device__ __forceinline__ A group_reduce(A v, int G, Op op, A* smem) {
   return r;
 }
 
+// Thread block clusters (distributed shared memory) exist from sm_90 on; the
+// host only plans a cluster launch for such GPUs.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define OPFORGE_SOFTMAX_CLUSTERS 1
+#else
+#define OPFORGE_SOFTMAX_CLUSTERS 0
+#endif
+
+// Combines the (max, sum of exp) of every block of the cluster (one chunk of
+// the row each): gm = max m_i, gs = sum s_i * exp(m_i - gm). Every thread of
+// every block must call it; all get the result.
+template <typename A>
+__device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
+#if OPFORGE_SOFTMAX_CLUSTERS
+  __shared__ A mine[2];
+  __shared__ A combined[2];
+  cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+  if (threadIdx.x == 0) {
+    mine[0] = m;
+    mine[1] = m == neg_inf<A>() ? A(0) : s;  // an all -inf chunk contributes nothing
+  }
+  cl.sync();
+  if (threadIdx.x < 32) {
+    A rm = neg_inf<A>(), rs = 0;
+    if (threadIdx.x < cl.num_blocks()) {
+      const A* p = cl.map_shared_rank(mine, static_cast<int>(threadIdx.x));
+      rm = p[0];
+      rs = p[1];
+    }
+    A mm = rm;
+    for (int off = 16; off > 0; off >>= 1) mm = max_nan(mm, __shfl_xor_sync(0xffffffffu, mm, off));
+    A t = rm == neg_inf<A>() ? A(0) : rs * dev_exp(rm - mm);
+    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+    if (threadIdx.x == 0) {
+      combined[0] = mm;
+      combined[1] = t;
+    }
+  }
+  cl.sync();  // also keeps `mine` alive until every block has read it
+  gm = combined[0];
+  gs = combined[1];
+#else
+  __trap();
+#endif
+}
+
+// The sum of one value per block of the cluster (see cluster_max_sum).
+template <typename A>
+__device__ __forceinline__ A cluster_sum(A v) {
+#if OPFORGE_SOFTMAX_CLUSTERS
+  __shared__ A mine;
+  __shared__ A combined;
+  cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+  if (threadIdx.x == 0) mine = v;
+  cl.sync();
+  if (threadIdx.x < 32) {
+    A t = threadIdx.x < cl.num_blocks() ? *cl.map_shared_rank(&mine, static_cast<int>(threadIdx.x)) : A(0);
+    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+    if (threadIdx.x == 0) combined = t;
+  }
+  cl.sync();
+  return combined;
+#else
+  __trap();
+  return v;
+#endif
+}
+
 // Where a group of threads works: row `row` (valid or not), elements
 // [begin, end) of it.
 struct Segment {
@@ -107,7 +187,8 @@ struct Segment {
 };
 
 // phase 0: the whole row per group (rows per block = blockDim.x / G).
-// phase 1/2: blockIdx.x = chunk, blockIdx.y = row - row0, one group per block.
+// phase 1/2 (two-pass split) and 3 (cluster): blockIdx.x = chunk,
+// blockIdx.y = row - row0, one group per block.
 __device__ __forceinline__ Segment make_segment(int G, int phase, int64_t row0, int64_t rows, int64_t K,
                                                 int64_t chunk) {
   Segment s;
@@ -245,17 +326,22 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
     }
     return;
   }
-  if (phase == 2) {
-    // Combine the row's partials: M = max m_i, S = sum s_i * exp(m_i - M).
-    const A* p = partials + (s.row - row0) * nchunks * 2;
-    A gm = neg_inf<A>();
-    for (int i = s.lane; i < nchunks; i += G) gm = max_nan(gm, s.valid ? p[2 * i] : neg_inf<A>());
-    gm = group_reduce(gm, G, MaxOp{}, smem);
-    A gs = 0;
-    for (int i = s.lane; i < nchunks; i += G) {
-      if (s.valid && p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
+  if (phase >= 2) {
+    A gm, gs;
+    if (phase == 2) {
+      // Combine the row's partials: M = max m_i, S = sum s_i * exp(m_i - M).
+      const A* p = partials + (s.row - row0) * nchunks * 2;
+      gm = neg_inf<A>();
+      for (int i = s.lane; i < nchunks; i += G) gm = max_nan(gm, s.valid ? p[2 * i] : neg_inf<A>());
+      gm = group_reduce(gm, G, MaxOp{}, smem);
+      gs = 0;
+      for (int i = s.lane; i < nchunks; i += G) {
+        if (s.valid && p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
+      }
+      gs = group_reduce(gs, G, SumOp{}, smem);
+    } else {
+      cluster_max_sum(m, sum, gm, gs);
     }
-    gs = group_reduce(gs, G, SumOp{}, smem);
     // Rescale this chunk's values from its own max to the row's.
     // (An all -inf chunk holds exp(-inf - -inf) = NaN: its values are 0
     // unless the whole row is -inf, where torch's NaN is right.)
@@ -336,6 +422,8 @@ __global__ void __launch_bounds__(kMaxGroup) bwd_rows_kernel(sm::BwdArgs a, int 
     A t = 0;
     for (int i = s.lane; i < nchunks; i += G) t += s.valid ? p[i] : A(0);
     sum = group_reduce(t, G, SumOp{}, smem);
+  } else if (phase == 3) {
+    sum = cluster_sum(sum);
   }
 
   const A scale = MODE == sm::Mode::ScaledMasked ? static_cast<A>(a.scale) : A(1);
@@ -417,6 +505,8 @@ int64_t next_pow2(int64_t v) {
   return p;
 }
 
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // Registers one element takes in `arrays` register arrays of opmath values.
 template <typename T>
 constexpr int words_per_elem(int arrays) {
@@ -444,59 +534,156 @@ void with_iters(int it, F&& f) {
   }
 }
 
+// Most blocks in one cluster (16 needs the non-portable size, which H100 and
+// H200 allow; where the GPU refuses, the split path runs instead).
+constexpr int kMaxCluster = 16;
+
+enum class Kind { Rows, Cluster, Split };
+
+// The knobs of a launch: threads per row (or per chunk of a row), rows per
+// block, vectors per thread, and whether a row longer than one block may
+// be split over a cluster.
+struct PlanRequest {
+  int threads_per_row;
+  int rows_per_block;
+  int it;
+  bool cluster;
+};
+
 struct Plan {
-  int it;            // elements per thread = V * it
-  int G;             // threads per row (or per chunk)
-  int block;         // threads per block
-  bool split;        // long rows: two passes over chunks
-  int64_t chunk = 0; // elements per chunk when split
+  int it;             // elements per thread = V * it
+  int G;              // threads per row (Rows) or per chunk (Cluster, Split)
+  int block;          // threads per block
+  Kind kind = Kind::Rows;
+  int64_t chunk = 0;  // elements per block (Cluster, Split)
   int nchunks = 1;
 };
 
-// itmax: the most values per thread in a block (64 registers' worth);
-// short rows use at most 32 registers' worth per lane (itwarp).
-Plan make_plan(int64_t K, int V, int itmax, int itwarp) {
+Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   Plan p{};
-  if (K <= int64_t{32} * V * itwarp) {
-    p.it = 1;
-    while (K > int64_t{32} * V * p.it) p.it *= 2;
-    p.G = static_cast<int>(next_pow2((K + V * p.it - 1) / (V * p.it)));
-    p.block = 128;
-    p.split = false;
-  } else if (K <= int64_t{kMaxGroup} * V * itmax) {
-    p.it = 1;
-    while (p.it < itmax && (K + V * p.it - 1) / (V * p.it) > 256) p.it *= 2;
-    p.G = static_cast<int>(next_pow2((K + V * p.it - 1) / (V * p.it)));
-    p.block = p.G;
-    p.split = false;
-  } else {
-    // Chunks of 32 registers' worth per thread: lighter blocks, several per
-    // SM, more of them in flight.
-    p.it = itwarp;
-    p.G = kMaxGroup;
-    p.block = kMaxGroup;
-    p.split = true;
-    p.chunk = int64_t{kMaxGroup} * V * itwarp;
-    const int64_t n = (K + p.chunk - 1) / p.chunk;  // grid.x: up to 2^31 - 1 chunks, no practical cap
-    TORCH_CHECK(n < (int64_t{1} << 31), "opforge softmax: rows of ", K, " elements are too long");
-    p.nchunks = static_cast<int>(n);
-  }
+  p.it = r.it;
+  p.G = r.threads_per_row;
+  p.block = r.threads_per_row * r.rows_per_block;
+  const int64_t capacity = int64_t{p.G} * V * p.it;
+  if (K <= capacity) return p;
+  TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a plan that splits rows needs one row per block");
+  p.chunk = capacity;
+  const int64_t n = ceil_div(K, capacity);  // grid.x: up to 2^31 - 1 chunks, no practical cap
+  TORCH_CHECK(n < (int64_t{1} << 31), "opforge softmax: rows of ", opforge::num(K), " elements are too long");
+  p.nchunks = static_cast<int>(n);
+  p.kind = r.cluster && n <= kMaxCluster ? Kind::Cluster : Kind::Split;
   return p;
 }
 
-// Runs kernel(args, G, phase, row0, rows, chunk, partials, nchunks) over all
-// rows per the plan: one launch per batch of rows for phase 0; two per batch
-// for split rows, batches sized to half the L2 cache.
-template <typename A, typename Launch>
-void run_plan(const Plan& p, int64_t rows, int64_t K, int64_t bytes_per_elem, int partial_width,
-              const c10::TensorOptions& opts, Launch&& launch) {
-  if (!p.split) {
+// The default plan. itmax: the most vectors per thread of a block holding a
+// row alone (64 registers' worth); itlight: half of that, which leaves room
+// for more blocks per SM.
+//  * short rows (up to 32 lanes x itlight vectors): a warp or a slice of one
+//    per row, at least kShortIt vectors per lane so each thread keeps
+//    several 16-byte loads in flight, 128-thread blocks;
+//  * medium rows: a block per row, up to 256 threads with light loads;
+//  * longer rows: a cluster of light blocks when the GPU has clusters, else
+//    one heavy block, else the two-pass split.
+PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters) {
+  constexpr int kShortIt = 4;
+  if (K <= int64_t{32} * V * itlight) {
+    int it = std::min(kShortIt, itlight);
+    while (K > int64_t{32} * V * it) it *= 2;
+    const int G = static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it)));
+    return {G, std::max(1, 128 / G), it, false};
+  }
+  if (K <= int64_t{kMaxGroup} * V * itlight) {
+    int it = 1;
+    while (it < itlight && ceil_div(K, int64_t{V} * it) > 256) it *= 2;
+    return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it))), 1, it, false};
+  }
+  if (clusters) {
+    int it = itlight;
+    while (it < itmax && ceil_div(K, int64_t{kMaxGroup} * V * it) > kMaxCluster) it *= 2;
+    if (ceil_div(K, int64_t{kMaxGroup} * V * it) <= kMaxCluster) return {kMaxGroup, 1, it, true};
+  }
+  if (K <= int64_t{kMaxGroup} * V * itmax) {
+    int it = itlight;
+    while (ceil_div(K, int64_t{V} * it) > kMaxGroup) it *= 2;
+    return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it))), 1, it, false};
+  }
+  return {kMaxGroup, 1, itlight, false};
+}
+
+// Whether `kernel` can run as clusters of `c` blocks of `block` threads:
+// its code was compiled for sm_90 or later (clusters are compiled out
+// below that) and the GPU can place such a cluster. Cached per kernel.
+template <typename Kernel>
+bool cluster_launchable(Kernel kernel, int c, int block) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, int>, bool> known;
+  const int dev = c10::cuda::current_device();
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, dev);
+  std::lock_guard<std::mutex> lock(mu);
+  auto hit = known.find(key);
+  if (hit != known.end()) return hit->second;
+  bool ok = false;
+  cudaFuncAttributes attr{};
+  if (at::cuda::getCurrentDeviceProperties()->major >= 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+      attr.ptxVersion >= 90) {
+    if (c > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(c, 1, 1);
+    cfg.blockDim = dim3(block, 1, 1);
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = c;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+  }
+  (void)cudaGetLastError();  // a refused query leaves no sticky error behind
+  known.emplace(key, ok);
+  return ok;
+}
+
+// Whether this build's kernels can use clusters at all on the current GPU.
+bool clusters_available();
+
+// Launches kernel(args..., G, phase, row0, rows, chunk, partials, nchunks)
+// over all rows per the plan: one launch per batch of rows for Rows and
+// Cluster (phase 0 / 3); two per batch for Split (phases 1 and 2), batches
+// sized to half the L2 cache so the second pass re-reads from L2.
+template <typename A, typename Kernel, typename Args>
+void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, int64_t bytes_per_elem,
+              int partial_width, const c10::TensorOptions& opts) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (p.kind == Kind::Rows) {
     const int64_t rows_per_block = p.block / p.G;
     const int64_t max_rows = int64_t{1 << 30} * rows_per_block;
     for (int64_t r0 = 0; r0 < rows; r0 += max_rows) {
       const int64_t n = std::min(rows - r0, max_rows);
-      const dim3 grid(static_cast<unsigned>((n + rows_per_block - 1) / rows_per_block));
-      launch(grid, p.block, 0, r0, std::min(rows, r0 + n), static_cast<A*>(nullptr));
+      const dim3 grid(static_cast<unsigned>(ceil_div(n, rows_per_block)));
+      kernel<<<grid, p.block, 0, stream>>>(args, p.G, 0, r0, r0 + n, p.chunk, static_cast<A*>(nullptr), p.nchunks);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return;
+  }
+  if (p.kind == Kind::Cluster && !cluster_launchable(kernel, p.nchunks, p.block)) p.kind = Kind::Split;
+  if (p.kind == Kind::Cluster) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
+      const int64_t n = std::min<int64_t>(rows - r0, 65535);
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1);
+      cfg.blockDim = dim3(p.block, 1, 1);
+      cfg.stream = stream;
+      cudaLaunchAttribute at[1];
+      at[0].id = cudaLaunchAttributeClusterDimension;
+      at[0].val.clusterDim.x = p.nchunks;
+      at[0].val.clusterDim.y = 1;
+      at[0].val.clusterDim.z = 1;
+      cfg.attrs = at;
+      cfg.numAttrs = 1;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args, p.G, 3, r0, r0 + n, p.chunk, static_cast<A*>(nullptr),
+                                        p.nchunks));
     }
     return;
   }
@@ -509,13 +696,45 @@ void run_plan(const Plan& p, int64_t rows, int64_t K, int64_t bytes_per_elem, in
   for (int64_t r0 = 0; r0 < rows; r0 += batch) {
     const int64_t n = std::min(batch, rows - r0);
     const dim3 grid(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n));
-    launch(grid, p.block, 1, r0, r0 + n, partials);
-    launch(grid, p.block, 2, r0, r0 + n, partials);
+    for (int phase = 1; phase <= 2; ++phase) {
+      kernel<<<grid, p.block, 0, stream>>>(args, p.G, phase, r0, r0 + n, p.chunk, partials, p.nchunks);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
 }
 
+bool clusters_available() {
+  return cluster_launchable(fwd_rows_kernel<float, 4, 1, sm::Mode::Softmax>, 2, kMaxGroup);
+}
+
+// Register budgets (in 32-bit words of values per thread) of the plans.
+template <typename T, int ARRAYS, sm::Mode MODE>
+struct Budget {
+  // The masked mode's index and mask arithmetic needs more registers: it
+  // holds at most 32 registers of values.
+  static constexpr int kHeavy = MODE == sm::Mode::ScaledMasked ? 32 : 64;
+  template <int V>
+  static constexpr int itmax() { return iters_within(V, words_per_elem<T>(ARRAYS), kHeavy); }
+  template <int V>
+  static constexpr int itlight() { return iters_within(V, words_per_elem<T>(ARRAYS), 32); }
+};
+
+// Checks a requested plan (the `_plan` ops) against what the kernels allow.
+void check_request(const PlanRequest& r, int itmax) {
+  auto pow2 = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
+  TORCH_CHECK_VALUE(pow2(r.threads_per_row) && r.threads_per_row <= kMaxGroup,
+                    "opforge softmax plan: threads_per_row must be a power of two in [1, 512], got ",
+                    opforge::num(r.threads_per_row));
+  TORCH_CHECK_VALUE(pow2(r.rows_per_block) && int64_t{r.rows_per_block} * r.threads_per_row <= kMaxGroup,
+                    "opforge softmax plan: rows_per_block must be a power of two with rows_per_block x "
+                    "threads_per_row <= 512, got ",
+                    opforge::num(r.rows_per_block));
+  TORCH_CHECK_VALUE(pow2(r.it) && r.it <= itmax, "opforge softmax plan: vectors_per_thread must be a power of two <= ",
+                    opforge::num(itmax), " for this dtype and alignment, got ", opforge::num(r.it));
+}
+
 template <typename T, sm::Mode MODE>
-void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x) {
+void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequest* req) {
   using A = Acc<T>;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (a.inner > 1) {
@@ -531,18 +750,19 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x) {
   const bool vec = a.K % VW == 0 && opforge::cuda::is_aligned(a.in, 16) && opforge::cuda::is_aligned(a.out, 16);
   auto go = [&](auto vconst) {
     constexpr int V = decltype(vconst)::value;
-    // The masked mode's index and mask arithmetic needs more registers: it
-    // holds at most 32 registers of values (16K elements per block).
-    constexpr int ITMAX = iters_within(V, words_per_elem<T>(1), MODE == sm::Mode::ScaledMasked ? 32 : 64);
-    const Plan p = make_plan(a.K, V, ITMAX, iters_within(V, words_per_elem<T>(1), 32));
+    using B = Budget<T, 1, MODE>;
+    constexpr int ITMAX = B::template itmax<V>();
+    PlanRequest r;
+    if (req != nullptr) {
+      r = *req;
+      check_request(r, ITMAX);
+    } else {
+      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available());
+    }
+    const Plan p = plan_from(r, a.K, V);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
-      run_plan<A>(p, a.outer, a.K, sizeof(T), 2, x.options(),
-                  [&](dim3 grid, int block, int phase, int64_t r0, int64_t r1, A* partials) {
-                    fwd_rows_kernel<T, V, IT, MODE><<<grid, block, 0, stream>>>(a, p.G, phase, r0, r1, p.chunk,
-                                                                                partials, p.nchunks);
-                    C10_CUDA_KERNEL_LAUNCH_CHECK();
-                  });
+      run_plan<A>(p, fwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, sizeof(T), 2, x.options());
     });
   };
   if (vec) {
@@ -553,7 +773,7 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x) {
 }
 
 template <typename T, sm::Mode MODE>
-void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t) {
+void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t, const PlanRequest* req) {
   using A = Acc<T>;
   auto stream = at::cuda::getCurrentCUDAStream();
   if (a.inner > 1) {
@@ -570,16 +790,19 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t) {
                    opforge::cuda::is_aligned(a.grad_in, 16);
   auto go = [&](auto vconst) {
     constexpr int V = decltype(vconst)::value;
-    constexpr int ITMAX = iters_within(V, words_per_elem<T>(2), 64);
-    const Plan p = make_plan(a.K, V, ITMAX, iters_within(V, words_per_elem<T>(2), 32));
+    using B = Budget<T, 2, sm::Mode::Softmax>;
+    constexpr int ITMAX = B::template itmax<V>();
+    PlanRequest r;
+    if (req != nullptr) {
+      r = *req;
+      check_request(r, ITMAX);
+    } else {
+      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available());
+    }
+    const Plan p = plan_from(r, a.K, V);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
-      run_plan<A>(p, a.outer, a.K, 2 * sizeof(T), 1, t.options(),
-                  [&](dim3 grid, int block, int phase, int64_t r0, int64_t r1, A* partials) {
-                    bwd_rows_kernel<T, V, IT, MODE><<<grid, block, 0, stream>>>(a, p.G, phase, r0, r1, p.chunk,
-                                                                                partials, p.nchunks);
-                    C10_CUDA_KERNEL_LAUNCH_CHECK();
-                  });
+      run_plan<A>(p, bwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, 2 * sizeof(T), 1, t.options());
     });
   };
   if (vec) {
@@ -590,23 +813,47 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t) {
 }
 
 template <sm::Mode MODE>
-at::Tensor run_forward(sm::Prepared p) {
+at::Tensor run_forward(sm::Prepared p, const PlanRequest* req = nullptr) {
   if (p.out.numel() == 0) return p.out;
   const c10::cuda::CUDAGuard guard(p.x.device());
   OPFORGE_DISPATCH_FLOATING_TYPES(p.args.dtype, "opforge_softmax_cuda", [&] {
-    forward_cuda_impl<scalar_t, MODE>(p.args, p.x);
+    forward_cuda_impl<scalar_t, MODE>(p.args, p.x, req);
   });
   return p.out;
 }
 
 template <sm::Mode MODE>
-at::Tensor run_backward(sm::PreparedBwd p) {
+at::Tensor run_backward(sm::PreparedBwd p, const PlanRequest* req = nullptr) {
   if (p.grad_in.numel() == 0) return p.grad_in;
   const c10::cuda::CUDAGuard guard(p.out.device());
   OPFORGE_DISPATCH_FLOATING_TYPES(p.args.dtype, "opforge_softmax_backward_cuda", [&] {
-    backward_cuda_impl<scalar_t, MODE>(p.args, p.out);
+    backward_cuda_impl<scalar_t, MODE>(p.args, p.out, req);
   });
   return p.grad_in;
+}
+
+// The `_plan` ops: softmax over the last dim with a given launch plan.
+PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
+  auto small = [](int64_t v, const char* name) {
+    TORCH_CHECK_VALUE(v >= 1 && v <= 512, "opforge softmax plan: ", name, " must be in [1, 512], got ", opforge::num(v));
+    return static_cast<int>(v);
+  };
+  return {small(threads_per_row, "threads_per_row"), small(rows_per_block, "rows_per_block"),
+          small(vectors_per_thread, "vectors_per_thread"), cluster};
+}
+
+at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64_t rows_per_block,
+                             int64_t vectors_per_thread, bool cluster) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
+  return run_forward<sm::Mode::Softmax>(
+      sm::prepare_softmax("opforge._softmax_plan", sm::Mode::Softmax, x, -1, std::nullopt), &r);
+}
+
+at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
+                                      int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
+  return run_backward<sm::Mode::Softmax>(
+      sm::prepare_backward("opforge._softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
 }
 
 // Few columns over a reduced outer dim: a thread per column would leave
@@ -680,4 +927,6 @@ TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("_softmax_backward", &softmax_backward_cuda);
   m.impl("_log_softmax_backward", &log_softmax_backward_cuda);
   m.impl("_scaled_masked_softmax_backward", &scaled_masked_softmax_backward_cuda);
+  m.impl("_softmax_plan", &softmax_plan_cuda);
+  m.impl("_softmax_backward_plan", &softmax_backward_plan_cuda);
 }

@@ -1,0 +1,172 @@
+"""Measures softmax launch plans on the current GPU, to set the default plan's rules.
+
+    python -m opforge.bench.softmax_plans [--shapes 8192x1024,65536x128] [--dtypes float32,bfloat16]
+                                          [--modes fwd,bwd] [--json plans.json]
+
+For each shape, dtype and mode it times, as device time with inputs rotated
+past the L2 cache (``timing.time_cuda``): every plan the kernels accept for
+that row length (``torch.ops.opforge._softmax_plan`` /
+``_softmax_backward_plan``: threads per row, rows per block, 16-byte vectors
+per thread, cluster or two-pass split for rows longer than a block), the
+default plan (``opforge.softmax``), eager torch and a device copy of the same
+bytes. Each plan's result is checked against eager before it is timed.
+Prints the fastest plans per case; ``--json`` keeps every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+import opforge
+
+from . import timing
+
+DEFAULT_SHAPES = "8192x1024,8192x8192,4096x32768,65536x128,512x262144"
+
+
+def _pow2(lo: int, hi: int) -> list[int]:
+    out, v = [], lo
+    while v <= hi:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def max_vectors(dtype: torch.dtype, arrays: int) -> int:
+    """Vectors per thread the kernels allow (64 registers' worth of opmath values)."""
+    v = 16 // torch.empty((), dtype=dtype).element_size()
+    words = arrays * (2 if dtype == torch.float64 else 1)
+    it = 16
+    while it > 1 and v * it * words > 64:
+        it //= 2
+    return it
+
+
+def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple[int, int, int, bool]]:
+    """(threads_per_row, rows_per_block, vectors_per_thread, cluster) plans worth timing for rows of k."""
+    v = 16 // torch.empty((), dtype=dtype).element_size()
+    out = []
+    for it in _pow2(1, max_vectors(dtype, arrays)):
+        for tpr in _pow2(1, 512):
+            cap = tpr * v * it
+            if cap >= k:
+                if tpr > 1 and cap >= 2 * k:
+                    continue  # half the threads would hold the row
+                for rpb in _pow2(1, 512 // tpr):
+                    if tpr * rpb in (128, 256, 512) or (rpb == 1 and tpr * rpb > 512 // 2):
+                        out.append((tpr, rpb, it, False))
+            elif tpr >= 256:
+                if math.ceil(k / cap) <= 16:
+                    out.append((tpr, 1, it, True))
+                if math.ceil(k / cap) <= 64:
+                    out.append((tpr, 1, it, False))
+    return out
+
+
+def _sets(make, nbytes: int, cache: int) -> list:
+    count = 1 if nbytes >= 4 * cache else min(32, math.ceil(4 * cache / max(nbytes, 1)))
+    return [make() for _ in range(count)]
+
+
+def _timed(fn, sets) -> float:
+    state = [0]
+
+    def call():
+        state[0] = (state[0] + 1) % len(sets)
+        fn(*sets[state[0]])
+
+    call()
+    return timing.time_cuda(call, warmup_ms=5.0, rep_ms=20.0).median_ms
+
+
+def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cache: int) -> list[dict]:
+    s = torch.empty((), dtype=dtype).element_size()
+    if mode == "fwd":
+        nbytes = 2 * m * k * s
+
+        def make():
+            return (torch.randn(m, k, device="cuda", dtype=dtype),)
+
+        providers = {"eager": lambda x: torch.softmax(x, -1), "default": opforge.softmax, "copy": lambda x: x.clone()}
+        plan_op = torch.ops.opforge._softmax_plan
+        arrays = 1
+    else:
+        nbytes = 3 * m * k * s
+
+        def make():
+            g = torch.randn(m, k, device="cuda", dtype=dtype)
+            return (g, torch.softmax(torch.randn(m, k, device="cuda", dtype=dtype), -1))
+
+        providers = {
+            "eager": lambda g, y: torch._softmax_backward_data(g, y, -1, dtype),
+            "default": lambda g, y: torch.ops.opforge._softmax_backward(g, y, -1),
+            "copy": lambda g, y: g.add(y),
+        }
+        plan_op = torch.ops.opforge._softmax_backward_plan
+        arrays = 2
+    sets = _sets(make, nbytes, cache)
+    want = providers["eager"](*sets[0])
+    rows = []
+
+    def record(name, fn):
+        try:
+            got = fn(*sets[0])
+            ok = name == "copy" or torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-3)
+            ms = _timed(fn, sets) if ok else None
+        except RuntimeError as exc:
+            ok, ms = False, None
+            name = f"{name} ({str(exc).splitlines()[0][:80]})"
+        rows.append({"shape": f"{m}x{k}", "dtype": str(dtype).removeprefix("torch."), "mode": mode, "plan": name,
+                     "ok": ok, "ms": ms, "pct_floor": (100 * nbytes / (ms * 1e-3) / 1e9 / bandwidth) if ms else None})
+
+    for name, fn in providers.items():
+        record(name, fn)
+    for plan in candidates(k, dtype, arrays):
+        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], "cluster" if plan[3] else "-"),
+               lambda *a, plan=plan: plan_op(*a, *plan))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--modes", default="fwd,bwd")
+    ap.add_argument("--top", type=int, default=4)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("softmax_plans: needs a CUDA GPU")
+        return 2
+    bandwidth = timing.copy_bandwidth_gbps("cuda")
+    cache = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{torch.cuda.get_device_name()}: device copy {bandwidth:.0f} GB/s")
+    everything = []
+    for shape in args.shapes.split(","):
+        m, k = (int(v) for v in shape.split("x"))
+        for dname in args.dtypes.split(","):
+            dtype = getattr(torch, dname)
+            for mode in args.modes.split(","):
+                rows = measure(m, k, dtype, mode, bandwidth, cache)
+                everything += rows
+                fixed = {r["plan"]: r for r in rows if not r["plan"].startswith("plan")}
+                plans = sorted((r for r in rows if r["plan"].startswith("plan") and r["ms"]), key=lambda r: r["ms"])
+                line = "  ".join(f"{n} {r['ms']:.4f}" for n, r in fixed.items() if r["ms"])
+                print(f"{shape} {dname} {mode}: {line}")
+                for r in plans[: args.top]:
+                    print(f"    {r['plan']:<24} {r['ms']:.4f} ms  {r['pct_floor']:.0f}% floor")
+                bad = [r["plan"] for r in rows if not r["ok"]]
+                if bad:
+                    print(f"    failed: {', '.join(bad)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth_gbps": bandwidth, "rows": everything}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
