@@ -564,9 +564,9 @@ def test_cuda_misaligned_vector_fallback():
 # cluster): every kind of plan the default heuristic may choose, on row
 # lengths that fill a block exactly, partly, or spill into a last chunk.
 PLANS = [
-    (128, (32, 4, 1, False)),  # warp per row, several rows per block
-    (128, (8, 16, 4, False)),  # a slice of a warp per row
-    (1000, (1, 128, 16, False)),  # a thread per row holding the row (vectors of 1 when unaligned)
+    (64, (32, 4, 1, False)),  # warp per row, several rows per block
+    (64, (8, 16, 4, False)),  # a slice of a warp per row
+    (13, (1, 128, 16, False)),  # a thread per row holding the row (scalar loads: 13 is odd)
     (4096, (256, 1, 4, False)),  # block per row
     (40000, (512, 1, 4, True)),  # cluster of several blocks (or split where clusters are unavailable)
     (70001, (512, 1, 8, True)),  # cluster past 8 blocks for scalar loads

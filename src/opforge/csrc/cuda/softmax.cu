@@ -67,6 +67,12 @@ __device__ __forceinline__ A neg_inf() {
 
 __device__ __forceinline__ float dev_exp(float v) { return expf(v); }
 __device__ __forceinline__ double dev_exp(double v) { return exp(v); }
+// The exp of every element: in float32 opmath (float32, float16, bfloat16)
+// the hardware's exp2 approximation (__expf: relative error within
+// 2 + 1.2|v| ulp, as torch.compile's generated kernels use), which keeps the
+// half types memory-bound; float64 stays exact.
+__device__ __forceinline__ float elem_exp(float v) { return __expf(v); }
+__device__ __forceinline__ double elem_exp(double v) { return exp(v); }
 __device__ __forceinline__ float dev_log(float v) { return logf(v); }
 __device__ __forceinline__ double dev_log(double v) { return log(v); }
 
@@ -271,8 +277,15 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
 
   if constexpr (MODE == sm::Mode::ScaledMasked) {
     const int64_t moff = a.mask != nullptr && s.valid ? a.mask_rows(s.row) : 0;
+    const int64_t stop = s.end < limit ? s.end : limit;
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
+      if (s.valid && a.mask == nullptr && s.begin + (static_cast<int64_t>(it) * G + s.lane + 1) * V <= stop) {
+        // The whole vector lies in the row, before the causal limit: scale only.
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] *= static_cast<A>(a.scale);
+        continue;
+      }
 #pragma unroll
       for (int v = 0; v < V; ++v) {
         const int64_t j = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V + v;
@@ -309,7 +322,7 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
 #pragma unroll
     for (int v = 0; v < V; ++v) {
       if (base + v < s.end) {
-        const A e = dev_exp(vals[it][v] - m);
+        const A e = elem_exp(vals[it][v] - m);
         sum += e;
         if constexpr (MODE != sm::Mode::LogSoftmax) vals[it][v] = e;
       }
@@ -432,7 +445,7 @@ __global__ void __launch_bounds__(kMaxGroup) bwd_rows_kernel(sm::BwdArgs a, int 
 #pragma unroll
     for (int v = 0; v < V; ++v) {
       if constexpr (MODE == sm::Mode::LogSoftmax) {
-        g[it][v] = g[it][v] - dev_exp(o[it][v]) * sum;
+        g[it][v] = g[it][v] - elem_exp(o[it][v]) * sum;
       } else {
         g[it][v] = o[it][v] * (g[it][v] - sum) * scale;
       }
@@ -454,14 +467,14 @@ __global__ void fwd_cols_kernel(sm::FwdArgs a) {
     A m = neg_inf<A>();
     for (int64_t k = 0; k < K; ++k) m = max_nan(m, static_cast<A>(in[base + k * inner]));
     A sum = 0;
-    for (int64_t k = 0; k < K; ++k) sum += dev_exp(static_cast<A>(in[base + k * inner]) - m);
+    for (int64_t k = 0; k < K; ++k) sum += elem_exp(static_cast<A>(in[base + k * inner]) - m);
     if constexpr (MODE == sm::Mode::LogSoftmax) {
       const A c = m + dev_log(sum);
       for (int64_t k = 0; k < K; ++k) out[base + k * inner] = static_cast<T>(static_cast<A>(in[base + k * inner]) - c);
     } else {
       const A inv = A(1) / sum;
       for (int64_t k = 0; k < K; ++k)
-        out[base + k * inner] = static_cast<T>(dev_exp(static_cast<A>(in[base + k * inner]) - m) * inv);
+        out[base + k * inner] = static_cast<T>(elem_exp(static_cast<A>(in[base + k * inner]) - m) * inv);
     }
   }
 }
@@ -489,7 +502,7 @@ __global__ void bwd_cols_kernel(sm::BwdArgs a) {
       const int64_t i = base + k * inner;
       const A g = static_cast<A>(gy[i]), o = static_cast<A>(yy[i]);
       if constexpr (MODE == sm::Mode::LogSoftmax) {
-        gx[i] = static_cast<T>(g - dev_exp(o) * sum);
+        gx[i] = static_cast<T>(g - elem_exp(o) * sum);
       } else {
         gx[i] = static_cast<T>(o * (g - sum));
       }
@@ -575,35 +588,51 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   return p;
 }
 
-// The default plan. itmax: the most vectors per thread of a block holding a
-// row alone (64 registers' worth); itlight: half of that, which leaves room
-// for more blocks per SM.
-//  * short rows (up to 32 lanes x itlight vectors): a warp or a slice of one
-//    per row, at least kShortIt vectors per lane so each thread keeps
-//    several 16-byte loads in flight, 128-thread blocks;
-//  * medium rows: a block per row, up to 256 threads with light loads;
-//  * longer rows: a cluster of light blocks when the GPU has clusters, else
-//    one heavy block, else the two-pass split.
-PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters) {
-  constexpr int kShortIt = 4;
-  if (K <= int64_t{32} * V * itlight) {
-    int it = std::min(kShortIt, itlight);
-    while (K > int64_t{32} * V * it) it *= 2;
-    const int G = static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it)));
-    return {G, std::max(1, 128 / G), it, false};
+// The default plan, from measurements of every plan on an H200
+// (bench/softmax_plans.py): threads holding E = 16 values each for rows up
+// to 2048 elements and E = 32 beyond (fewer, longer-lived threads keep
+// several 16-byte loads in flight each and need fewer reduction steps);
+//  * rows up to 32 x 16 values: a slice of a warp (or a warp) per row,
+//    several rows per 128-thread block;
+//  * rows up to 512 threads x E: a block per row;
+//  * longer rows on GPUs with clusters: a cluster of up to 16 blocks, of 256
+//    or 512 threads with E or 2E values each (forward), or of 512 threads
+//    with 64 registers of values (backward);
+//  * otherwise one block of up to itmax vectors per thread, else the
+//    two-pass split.
+// itmax / itlight: vectors per thread in 64 / 32 registers of values.
+PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
+  const int e_short = 16, e_long = 32;
+  const int it_short = std::max(1, std::min(itlight, e_short / V));
+  const int it_long = std::max(1, std::min(itlight, e_long / V));
+  if (K <= int64_t{32} * V * it_short) {
+    const int G = static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it_short)));
+    return {G, std::max(1, 128 / G), it_short, false};
   }
-  if (K <= int64_t{kMaxGroup} * V * itlight) {
-    int it = 1;
-    while (it < itlight && ceil_div(K, int64_t{V} * it) > 256) it *= 2;
-    return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it))), 1, it, false};
+  const int it_rows = K <= 2048 ? it_short : it_long;
+  if (K <= int64_t{kMaxGroup} * V * it_rows) {
+    const int G = static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it_rows)));
+    return {G, G < 128 ? 128 / G : 1, it_rows, false};
   }
   if (clusters) {
-    int it = itlight;
-    while (it < itmax && ceil_div(K, int64_t{kMaxGroup} * V * it) > kMaxCluster) it *= 2;
-    if (ceil_div(K, int64_t{kMaxGroup} * V * it) <= kMaxCluster) return {kMaxGroup, 1, it, true};
+    // (threads, vectors per thread) in order of preference; the first whose
+    // cluster has at most 16 blocks wins. The forward's measured best:
+    // 4-byte types favour more values per thread, 2-byte types more threads.
+    const bool narrow = V >= 8;
+    const int fwd[4][2] = {{256, it_long},
+                           {narrow ? kMaxGroup : 256, narrow ? it_long : 2 * it_long},
+                           {narrow ? 256 : kMaxGroup, narrow ? 2 * it_long : it_long},
+                           {kMaxGroup, 2 * it_long}};
+    const int bwd[1][2] = {{kMaxGroup, itmax}};
+    const int n = arrays == 1 ? 4 : 1;
+    for (int i = 0; i < n; ++i) {
+      const int G = arrays == 1 ? fwd[i][0] : bwd[i][0];
+      const int it = arrays == 1 ? fwd[i][1] : bwd[i][1];
+      if (it <= itmax && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true};
+    }
   }
   if (K <= int64_t{kMaxGroup} * V * itmax) {
-    int it = itlight;
+    int it = it_long;
     while (ceil_div(K, int64_t{V} * it) > kMaxGroup) it *= 2;
     return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it))), 1, it, false};
   }
@@ -757,7 +786,7 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
       r = *req;
       check_request(r, ITMAX);
     } else {
-      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available());
+      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available(), 1);
     }
     const Plan p = plan_from(r, a.K, V);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
@@ -797,7 +826,7 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t, const PlanReq
       r = *req;
       check_request(r, ITMAX);
     } else {
-      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available());
+      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available(), 2);
     }
     const Plan p = plan_from(r, a.K, V);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
