@@ -571,6 +571,10 @@ PLANS = [
     (40000, (512, 1, 4, True)),  # cluster of several blocks (or split where clusters are unavailable)
     (70001, (512, 1, 8, True)),  # cluster past 8 blocks for scalar loads
     (40000, (256, 1, 2, False)),  # two-pass split
+    (64, (8, 16, 4, False, True)),  # the persistent kernel streaming rows: slices of warps
+    (4096, (256, 1, 4, False, True)),  # ... a block per row (a split for float64: the plain kernels)
+    (3000, (128, 1, 8, False, True)),  # ... rows shorter than the block holds
+    (40000, (256, 1, 8, True, True)),  # ... clusters
 ]
 
 
@@ -578,14 +582,16 @@ PLANS = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("K,plan", PLANS)
 def test_cuda_explicit_plans(dtype, K, plan):
-    x = rand((6, K), dtype, "cuda", scale=3.0)
+    # Enough rows that the persistent kernel's blocks loop over several rows.
+    M = 6_000_000 // K + 7
+    x = rand((M, K), dtype, "cuda", scale=3.0)
     x[1, K // 3] = float("-inf")
     with poisoned("cuda"):
         y = torch.ops.opforge._softmax_plan(x, *plan)
     assert_close(y.cpu(), ref("softmax", x, -1), rtol_scale=max(1.0, K / 100000))
-    g = rand((6, K), dtype, "cuda")
+    g = rand((M, K), dtype, "cuda")
     with poisoned("cuda"):
-        gx = torch.ops.opforge._softmax_backward_plan(g, y, *plan)
+        gx = torch.ops.opforge._softmax_backward_plan(g, y, *plan[:4])
     assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
 
 

@@ -46,8 +46,13 @@ def max_vectors(dtype: torch.dtype, arrays: int) -> int:
     return it
 
 
-def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple[int, int, int, bool]]:
-    """(threads_per_row, rows_per_block, vectors_per_thread, cluster) plans worth timing for rows of k."""
+def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
+    """(threads_per_row, rows_per_block, vectors_per_thread, cluster[, stream]) plans worth timing for rows of k.
+
+    Forward plans that hold a row in one block or a cluster come twice: with
+    the plain kernels and with the persistent kernel that streams rows
+    through shared memory.
+    """
     v = 16 // torch.empty((), dtype=dtype).element_size()
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
@@ -59,9 +64,13 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple[int, int, 
                 for rpb in _pow2(1, 512 // tpr):
                     if tpr * rpb in (128, 256, 512) or (rpb == 1 and tpr * rpb > 512 // 2):
                         out.append((tpr, rpb, it, False))
+                        if arrays == 1:
+                            out.append((tpr, rpb, it, False, True))
             elif tpr >= 256:
                 if math.ceil(k / cap) <= 16:
                     out.append((tpr, 1, it, True))
+                    if arrays == 1:
+                        out.append((tpr, 1, it, True, True))
                 if math.ceil(k / cap) <= 64:
                     out.append((tpr, 1, it, False))
     return out
@@ -126,8 +135,8 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
     for name, fn in providers.items():
         record(name, fn)
     for plan in candidates(k, dtype, arrays):
-        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], "cluster" if plan[3] else "-"),
-               lambda *a, plan=plan: plan_op(*a, *plan))
+        kind = ("cluster" if plan[3] else "-") + ("/stream" if len(plan) > 4 and plan[4] else "")
+        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, plan=plan: plan_op(*a, *plan))
     return rows
 
 

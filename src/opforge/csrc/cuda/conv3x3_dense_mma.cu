@@ -49,6 +49,7 @@
 #include <cuda_fp16.h>
 
 #include <opforge/checks.h>
+#include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
 
 // std::numeric_limits, std::optional, int64_t come with the ATen/c10 headers.
@@ -85,22 +86,10 @@ struct Params {
 
 // ---- PTX wrappers (sm_80+) --------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async copy; with pred false nothing is read and 16 zero bytes are written.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
-  const int src_size = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_size));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using opforge::cuda::cp_async16;
+using opforge::cuda::cp_async_commit;
+using opforge::cuda::cp_async_wait;
+using opforge::cuda::smem_u32;
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
                                             uint32_t& r3) {

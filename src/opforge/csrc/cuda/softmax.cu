@@ -35,6 +35,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
@@ -256,6 +257,106 @@ __device__ __forceinline__ void store_row(T* __restrict__ p, const Segment& s, i
 
 // ------------------------------------------------------------------ forward, inner-most dim
 
+// From a segment's values (-inf past its end) to its outputs, in place:
+// the max and the sum of exps over the row (phase 0), over the chunk then
+// combined with the row's other chunks (phase 2: partials in global memory,
+// phase 3: the cluster's blocks), and the normalisation. Phase 1 only writes
+// the chunk's (max, sum) partial and returns false: nothing to store. Every
+// thread of the block must call it.
+template <typename T, int V, int IT, sm::Mode MODE>
+__device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segment& s, int G, int phase,
+                                               int64_t row0, Acc<T>* partials, int nchunks, Acc<T>* smem) {
+  using A = Acc<T>;
+  // max over the segment
+  A m = neg_inf<A>();
+#pragma unroll
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int v = 0; v < V; ++v) m = max_nan(m, vals[it][v]);
+  m = group_reduce(m, G, MaxOp{}, smem);
+
+  // sum of exp over the segment's elements (positions past the end skipped)
+  A sum = 0;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      if (base + v < s.end) {
+        const A e = elem_exp(vals[it][v] - m);
+        sum += e;
+        if constexpr (MODE != sm::Mode::LogSoftmax) vals[it][v] = e;
+      }
+    }
+  }
+  sum = group_reduce(sum, G, SumOp{}, smem);
+
+  if (phase == 1) {
+    // This chunk's (max, sum); an all -inf chunk contributes nothing.
+    if (s.lane == 0 && s.valid) {
+      A* p = partials + ((s.row - row0) * nchunks + blockIdx.x) * 2;
+      p[0] = m;
+      p[1] = m == neg_inf<A>() ? A(0) : sum;
+    }
+    return false;
+  }
+  if (phase >= 2) {
+    A gm, gs;
+    if (phase == 2) {
+      // Combine the row's partials: M = max m_i, S = sum s_i * exp(m_i - M).
+      const A* p = partials + (s.row - row0) * nchunks * 2;
+      gm = neg_inf<A>();
+      for (int i = s.lane; i < nchunks; i += G) gm = max_nan(gm, s.valid ? p[2 * i] : neg_inf<A>());
+      gm = group_reduce(gm, G, MaxOp{}, smem);
+      gs = 0;
+      for (int i = s.lane; i < nchunks; i += G) {
+        if (s.valid && p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
+      }
+      gs = group_reduce(gs, G, SumOp{}, smem);
+    } else {
+      cluster_max_sum(m, sum, gm, gs);
+    }
+    // Rescale this chunk's values from its own max to the row's.
+    // (An all -inf chunk holds exp(-inf - -inf) = NaN: its values are 0
+    // unless the whole row is -inf, where torch's NaN is right.)
+    if constexpr (MODE != sm::Mode::LogSoftmax) {
+      const bool empty_chunk = m == neg_inf<A>() && gm != neg_inf<A>();
+      const A r = empty_chunk ? A(0) : dev_exp(m - gm);
+#pragma unroll
+      for (int it = 0; it < IT; ++it)
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] = empty_chunk ? A(0) : vals[it][v] * r;
+    }
+    m = gm;
+    sum = gs;
+  }
+
+  if constexpr (MODE == sm::Mode::ScaledMasked) {
+    if (m == neg_inf<A>()) {
+      // Every key masked out: zeros (documented), not NaN.
+#pragma unroll
+      for (int it = 0; it < IT; ++it)
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] = A(0);
+      return true;
+    }
+  }
+  if constexpr (MODE == sm::Mode::LogSoftmax) {
+    const A c = m + dev_log(sum);
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+#pragma unroll
+      for (int v = 0; v < V; ++v) vals[it][v] -= c;
+  } else {
+    const A inv = A(1) / sum;
+#pragma unroll
+    for (int it = 0; it < IT; ++it)
+#pragma unroll
+      for (int v = 0; v < V; ++v) vals[it][v] *= inv;
+  }
+  return true;
+}
+
 template <typename T, int V, int IT, sm::Mode MODE>
 __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int G, int phase, int64_t row0,
                                                              int64_t rows, int64_t chunk, Acc<T>* partials,
@@ -306,95 +407,83 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
     }
   }
 
-  // max over the segment
-  A m = neg_inf<A>();
-#pragma unroll
-  for (int it = 0; it < IT; ++it)
-#pragma unroll
-    for (int v = 0; v < V; ++v) m = max_nan(m, vals[it][v]);
-  m = group_reduce(m, G, MaxOp{}, smem);
+  if (finish_forward<T, V, IT, MODE>(vals, s, G, phase, row0, partials, nchunks, smem)) store_row<T, V, IT>(y, s, G, vals);
+}
 
-  // sum of exp over the segment's elements (positions past the end skipped)
-  A sum = 0;
+// Persistent, pipelined forward (softmax and log_softmax, 16-byte aligned
+// rows): a grid of as many blocks (or clusters) as fit on the GPU at once,
+// each looping over rows (blockIdx.y + i * gridDim.y, times rows per
+// block). As soon as a thread has moved a row's elements from shared memory
+// into registers it queues the copies of its next row (cp.async), which
+// land while this row is reduced and written: the memory system does not
+// wait for the block's reductions. Each thread copies exactly the slots it
+// later reads, so no barrier guards them. With nchunks > 1 the row is split over the cluster as in phase 3.
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup) fwd_stream_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk,
+                                                               int nchunks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  using A = Acc<T>;
+  using Vec = AlignedVec<T, V>;
+  extern __shared__ __align__(16) unsigned char stream_smem[];
+  __shared__ A smem[32];
+  Vec* stages = reinterpret_cast<Vec*>(stream_smem);  // [IT][blockDim.x]
+  const int64_t K = a.K;
+  const int rows_per_block = blockDim.x / G;
+  Segment s;
+  s.lane = threadIdx.x % G;
+  s.begin = nchunks > 1 ? static_cast<int64_t>(blockIdx.x) * chunk : 0;
+  s.end = nchunks > 1 ? min(K, s.begin + chunk) : K;
+  const int group = threadIdx.x / G;
+  const int64_t step = static_cast<int64_t>(gridDim.y) * rows_per_block;
+  const T* x = static_cast<const T*>(a.in);
+  T* y = static_cast<T*>(a.out);
+
+  // Slots of this thread: vector it at stages[it * blockDim.x + threadIdx.x].
+  const uint32_t slot0 = opforge::cuda::smem_u32(&stages[threadIdx.x]);
+  const uint32_t slot_step = blockDim.x * sizeof(Vec);
+  const int avail = static_cast<int>(s.end - s.begin) - s.lane * V;  // elements from this thread's first slot on
+  auto issue = [&](int64_t base) {
+    const int64_t row = base + group;
+    const bool row_ok = row < rows;
+    const T* src = x + (row_ok ? row : 0) * K + s.begin + s.lane * V;
+    const uint32_t dst = slot0;
 #pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
+    for (int it = 0; it < IT; ++it) {
+      const bool ok = row_ok && it * G * V < avail;
+      opforge::cuda::cp_async16(dst + it * slot_step, ok ? src + it * G * V : x, ok);
+    }
+  };
+
+  int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  if (base < rows) issue(base);
+  opforge::cuda::cp_async_commit();
+  for (; base < rows; base += step) {  // uniform over the block and the cluster
+    opforge::cuda::cp_async_wait<0>();  // this thread's copies of the current row have landed
+    s.row = base + group;
+    s.valid = s.row < rows;
+    A vals[IT][V];
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      if (base + v < s.end) {
-        const A e = elem_exp(vals[it][v] - m);
-        sum += e;
-        if constexpr (MODE != sm::Mode::LogSoftmax) vals[it][v] = e;
+    for (int it = 0; it < IT; ++it) {
+      if (s.valid && it * G * V < avail) {
+        const Vec v = stages[it * blockDim.x + threadIdx.x];
+#pragma unroll
+        for (int e = 0; e < V; ++e) vals[it][e] = static_cast<A>(v.val[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < V; ++e) vals[it][e] = neg_inf<A>();
       }
     }
-  }
-  sum = group_reduce(sum, G, SumOp{}, smem);
-
-  if (phase == 1) {
-    // This chunk's (max, sum); an all -inf chunk contributes nothing.
-    if (s.lane == 0 && s.valid) {
-      A* p = partials + ((s.row - row0) * nchunks + blockIdx.x) * 2;
-      p[0] = m;
-      p[1] = m == neg_inf<A>() ? A(0) : sum;
-    }
-    return;
-  }
-  if (phase >= 2) {
-    A gm, gs;
-    if (phase == 2) {
-      // Combine the row's partials: M = max m_i, S = sum s_i * exp(m_i - M).
-      const A* p = partials + (s.row - row0) * nchunks * 2;
-      gm = neg_inf<A>();
-      for (int i = s.lane; i < nchunks; i += G) gm = max_nan(gm, s.valid ? p[2 * i] : neg_inf<A>());
-      gm = group_reduce(gm, G, MaxOp{}, smem);
-      gs = 0;
-      for (int i = s.lane; i < nchunks; i += G) {
-        if (s.valid && p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
-      }
-      gs = group_reduce(gs, G, SumOp{}, smem);
-    } else {
-      cluster_max_sum(m, sum, gm, gs);
-    }
-    // Rescale this chunk's values from its own max to the row's.
-    // (An all -inf chunk holds exp(-inf - -inf) = NaN: its values are 0
-    // unless the whole row is -inf, where torch's NaN is right.)
-    if constexpr (MODE != sm::Mode::LogSoftmax) {
-      const bool empty_chunk = m == neg_inf<A>() && gm != neg_inf<A>();
-      const A r = empty_chunk ? A(0) : dev_exp(m - gm);
-#pragma unroll
-      for (int it = 0; it < IT; ++it)
-#pragma unroll
-        for (int v = 0; v < V; ++v) vals[it][v] = empty_chunk ? A(0) : vals[it][v] * r;
-    }
-    m = gm;
-    sum = gs;
-  }
-
-  if constexpr (MODE == sm::Mode::ScaledMasked) {
-    if (m == neg_inf<A>()) {
-      // Every key masked out: zeros (documented), not NaN.
-#pragma unroll
-      for (int it = 0; it < IT; ++it)
-#pragma unroll
-        for (int v = 0; v < V; ++v) vals[it][v] = A(0);
-      store_row<T, V, IT>(y, s, G, vals);
-      return;
+    // The slots are consumed: the next row's copies fly while this one is reduced and written.
+    if (base + step < rows) issue(base + step);
+    opforge::cuda::cp_async_commit();
+    if (finish_forward<T, V, IT, MODE>(vals, s, G, nchunks > 1 ? 3 : 0, 0, nullptr, nchunks, smem)) {
+      store_row<T, V, IT>(y + s.row * K, s, G, vals);
     }
   }
-  if constexpr (MODE == sm::Mode::LogSoftmax) {
-    const A c = m + dev_log(sum);
-#pragma unroll
-    for (int it = 0; it < IT; ++it)
-#pragma unroll
-      for (int v = 0; v < V; ++v) vals[it][v] -= c;
-  } else {
-    const A inv = A(1) / sum;
-#pragma unroll
-    for (int it = 0; it < IT; ++it)
-#pragma unroll
-      for (int v = 0; v < V; ++v) vals[it][v] *= inv;
-  }
-  store_row<T, V, IT>(y, s, G, vals);
+  opforge::cuda::cp_async_wait<0>();
+#else
+  __trap();
+#endif
 }
 
 // ------------------------------------------------------------------ backward, inner-most dim
@@ -561,6 +650,7 @@ struct PlanRequest {
   int rows_per_block;
   int it;
   bool cluster;
+  bool stream = false;  // forward only: the persistent, pipelined kernel
 };
 
 struct Plan {
@@ -570,6 +660,7 @@ struct Plan {
   Kind kind = Kind::Rows;
   int64_t chunk = 0;  // elements per block (Cluster, Split)
   int nchunks = 1;
+  bool stream = false;
 };
 
 Plan plan_from(const PlanRequest& r, int64_t K, int V) {
@@ -577,6 +668,7 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   p.it = r.it;
   p.G = r.threads_per_row;
   p.block = r.threads_per_row * r.rows_per_block;
+  p.stream = r.stream;
   const int64_t capacity = int64_t{p.G} * V * p.it;
   if (K <= capacity) return p;
   TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a plan that splits rows needs one row per block");
@@ -600,8 +692,10 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //    with 64 registers of values (backward);
 //  * otherwise one block of up to itmax vectors per thread, else the
 //    two-pass split.
+// The forward runs rows and clusters with the persistent, pipelined kernel
+// (fwd_stream_kernel) where it can.
 // itmax / itlight: vectors per thread in 64 / 32 registers of values.
-PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
+PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
   const int e_short = 16, e_long = 32;
   const int it_short = std::max(1, std::min(itlight, e_short / V));
   const int it_long = std::max(1, std::min(itlight, e_long / V));
@@ -639,26 +733,50 @@ PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clust
   return {kMaxGroup, 1, itlight, false};
 }
 
-// Whether `kernel` can run as clusters of `c` blocks of `block` threads:
-// its code was compiled for sm_90 or later (clusters are compiled out
-// below that) and the GPU can place such a cluster. Cached per kernel.
+PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
+  PlanRequest r = default_shape(K, V, itmax, itlight, clusters, arrays);
+  // The forward streams its rows through shared memory, unless a thread
+  // holds more than 32 values (the persistent loop's state would spill).
+  r.stream = arrays == 1 && r.it * V <= 32;
+  return r;
+}
+
+// How many blocks (c == 1) or clusters of c blocks of `block` threads with
+// `smem` bytes of dynamic shared memory can be resident on the current GPU at
+// once; 0 when a cluster launch is impossible: clusters need sm_90 code
+// (they are compiled out below that) and a GPU that can place them. Also
+// sets the kernel's attributes the launch needs. Cached per kernel.
 template <typename Kernel>
-bool cluster_launchable(Kernel kernel, int c, int block) {
+int resident(Kernel kernel, int c, int block, int smem, int min_ptx = 0) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int>, bool> known;
+  static std::map<std::tuple<const void*, int, int, int, int>, int> known;
   const int dev = c10::cuda::current_device();
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, dev);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, smem, dev * 1000 + min_ptx);
   std::lock_guard<std::mutex> lock(mu);
   auto hit = known.find(key);
   if (hit != known.end()) return hit->second;
-  bool ok = false;
+  int n = 0;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
   cudaFuncAttributes attr{};
-  if (at::cuda::getCurrentDeviceProperties()->major >= 9 && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-      attr.ptxVersion >= 90) {
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int need_ptx = c > 1 ? std::max(90, min_ptx) : min_ptx;
+  if (attr.ptxVersion < need_ptx || smem > static_cast<int>(prop->sharedMemPerBlockOptin)) {
+    known.emplace(key, 0);
+    return 0;
+  }
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  if (c == 1) {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, smem));
+    n = per_sm * prop->multiProcessorCount;
+  } else {
     if (c > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(c, 1, 1);
     cfg.blockDim = dim3(block, 1, 1);
+    cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = c;
@@ -666,12 +784,34 @@ bool cluster_launchable(Kernel kernel, int c, int block) {
     at[0].val.clusterDim.z = 1;
     cfg.attrs = at;
     cfg.numAttrs = 1;
-    int clusters = 0;
-    ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+    (void)cudaGetLastError();  // a refused query leaves no sticky error behind
   }
-  (void)cudaGetLastError();  // a refused query leaves no sticky error behind
-  known.emplace(key, ok);
-  return ok;
+  known.emplace(key, n);
+  return n;
+}
+
+template <typename Kernel>
+bool cluster_launchable(Kernel kernel, int c, int block) {
+  return resident(kernel, c, block, 0) > 0;
+}
+
+// Launches `kernel` on `grid` with clusters of grid.x blocks when cluster is set.
+template <typename Kernel, typename... Args>
+void launch_maybe_cluster(Kernel kernel, dim3 grid, int block, int smem, bool cluster, Args... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(block, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeClusterDimension;
+  at[0].val.clusterDim.x = grid.x;
+  at[0].val.clusterDim.y = 1;
+  at[0].val.clusterDim.z = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = cluster ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
 // Whether this build's kernels can use clusters at all on the current GPU.
@@ -700,19 +840,8 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   if (p.kind == Kind::Cluster) {
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
       const int64_t n = std::min<int64_t>(rows - r0, 65535);
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1);
-      cfg.blockDim = dim3(p.block, 1, 1);
-      cfg.stream = stream;
-      cudaLaunchAttribute at[1];
-      at[0].id = cudaLaunchAttributeClusterDimension;
-      at[0].val.clusterDim.x = p.nchunks;
-      at[0].val.clusterDim.y = 1;
-      at[0].val.clusterDim.z = 1;
-      cfg.attrs = at;
-      cfg.numAttrs = 1;
-      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args, p.G, 3, r0, r0 + n, p.chunk, static_cast<A*>(nullptr),
-                                        p.nchunks));
+      launch_maybe_cluster(kernel, dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), p.block, 0, true,
+                           args, p.G, 3, r0, r0 + n, p.chunk, static_cast<A*>(nullptr), p.nchunks);
     }
     return;
   }
@@ -734,6 +863,25 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
 
 bool clusters_available() {
   return cluster_launchable(fwd_rows_kernel<float, 4, 1, sm::Mode::Softmax>, 2, kMaxGroup);
+}
+
+// Runs the plan with the persistent, pipelined kernel: as many blocks (or
+// clusters) as are resident at once, each looping over rows. False when
+// the GPU or this build cannot (no sm_80 code, too little shared memory,
+// clusters refused): the caller runs the plain kernels instead.
+template <typename T, int V, int IT, sm::Mode MODE>
+bool launch_stream(const Plan& p, const sm::FwdArgs& a) {
+  if (p.kind == Kind::Split || at::cuda::getCurrentDeviceProperties()->major < 8) return false;
+  auto kernel = fwd_stream_kernel<T, V, IT, MODE>;
+  const int smem = IT * p.block * 16;  // a 16-byte slot per vector of each thread
+  const bool cluster = p.kind == Kind::Cluster;
+  const int c = cluster ? p.nchunks : 1;
+  const int n = resident(kernel, c, p.block, smem, 80);
+  if (n <= 0) return false;
+  const int64_t workers = std::min<int64_t>({ceil_div(a.outer, p.block / p.G), int64_t{n}, int64_t{65535}});
+  launch_maybe_cluster(kernel, dim3(static_cast<unsigned>(c), static_cast<unsigned>(workers), 1), p.block, smem,
+                       cluster, a, p.G, a.outer, p.chunk, p.nchunks);
+  return true;
 }
 
 // Register budgets (in 32-bit words of values per thread) of the plans.
@@ -791,6 +939,9 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     const Plan p = plan_from(r, a.K, V);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
+      if constexpr (MODE != sm::Mode::ScaledMasked && V > 1) {
+        if (p.stream && launch_stream<T, V, IT, MODE>(p, a)) return;
+      }
       run_plan<A>(p, fwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, sizeof(T), 2, x.options());
     });
   };
@@ -862,25 +1013,26 @@ at::Tensor run_backward(sm::PreparedBwd p, const PlanRequest* req = nullptr) {
 }
 
 // The `_plan` ops: softmax over the last dim with a given launch plan.
-PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
+PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster,
+                         bool stream) {
   auto small = [](int64_t v, const char* name) {
     TORCH_CHECK_VALUE(v >= 1 && v <= 512, "opforge softmax plan: ", name, " must be in [1, 512], got ", opforge::num(v));
     return static_cast<int>(v);
   };
   return {small(threads_per_row, "threads_per_row"), small(rows_per_block, "rows_per_block"),
-          small(vectors_per_thread, "vectors_per_thread"), cluster};
+          small(vectors_per_thread, "vectors_per_thread"), cluster, stream};
 }
 
 at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64_t rows_per_block,
-                             int64_t vectors_per_thread, bool cluster) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
+                             int64_t vectors_per_thread, bool cluster, bool stream) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, stream);
   return run_forward<sm::Mode::Softmax>(
       sm::prepare_softmax("opforge._softmax_plan", sm::Mode::Softmax, x, -1, std::nullopt), &r);
 }
 
 at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
                                       int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, false);
   return run_backward<sm::Mode::Softmax>(
       sm::prepare_backward("opforge._softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
 }
