@@ -497,8 +497,8 @@ S1_NCHW_CASES = [
     ((2, 3, 28, 28), 1, 1),  # half types: Wo % 8 != 0 -> V = 4, 8-byte row copies
     ((1, 4, 9, 30), 1, 0),  # 4-byte (half) / 8-byte (float) row copies; float V = 2
     ((1, 4, 7, 31), 1, 1),  # odd width: element (half) / 4-byte copies, scalar stores
-    ((2, 1101, 10, 10), 1, 1),  # several planes per block, the last block partial
-    ((1, 3, 201, 1500), 1, 0),  # bands of rows, the last band a single row
+    ((2, 1101, 10, 10), 1, 1),  # 4 planes per block, the last block with 2
+    ((1, 3, 201, 1500), 1, 0),  # bands of rows (float32: 34 bands of 6, the last a single row)
     ((1, 2, 5, 13000), 1, 1),  # a row too wide to stage: the tiled fallback
     ((2, 5, 13, 20), 3, 1),  # channel multiplier 3 from one stage
     ((2, 5, 12, 16), 2, 0),  # multiplier 2, padding 0, vector stores
