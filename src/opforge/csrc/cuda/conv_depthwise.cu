@@ -341,9 +341,11 @@ __device__ __forceinline__ float relu_nan(float v) {
 // [E + W, P) and rows outside the image are zeros). Copies of LB bytes
 // (16/8/4 with cp.async, or single elements). Each thread item then owns V
 // consecutive output columns of a run of up to R output rows: it slides
-// down the rows keeping the 3 x (V + 2) input window in registers (one V-wide
-// shared load plus two scalars per new row), adds the bias, applies ReLU and
-// stores V values at once. A channel multiplier loops over the same stage.
+// down the rows with one (V + 2)-wide input row window and two partial sums
+// in registers (one V-wide shared load plus two scalars per input row; each
+// input row finishes one output row, continues the next and starts the one
+// after), adds the bias, applies ReLU and stores V values at once. A
+// channel multiplier loops over the same stage.
 struct DwS1Args {
   int64_t planes;  // N * C
   int C, H, W, Ho, Wo, mult;
@@ -442,27 +444,32 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __res
       const int valid = min(V, a.Wo - ow);
       const scalar_t* s = tile + (p * a.SR + r0) * a.P + E + ow;
       scalar_t* o = out + ((plane * a.mult + j) * a.Ho + oh0 + r0) * static_cast<int64_t>(a.Wo) + ow;
-      float w0[V + 2], w1[V + 2], w2[V + 2];
-      load_window_row<scalar_t, V, PAD>(s, w0);
-      load_window_row<scalar_t, V, PAD>(s + a.P, w1);
+      // Rolling accumulators (as in the NHWC kernel below): only one input
+      // row window and two partial sums are live.
+      auto fma_row = [&](const float (&xr)[V + 2], int kh, float (&acc)[V]) {
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw) acc[e] = fmaf(wk[kh * 3 + kw], xr[e + kw], acc[e]);
+      };
+      float xr[V + 2], accP[V], accQ[V];
+      load_window_row<scalar_t, V, PAD>(s, xr);
+#pragma unroll
+      for (int e = 0; e < V; ++e) accP[e] = bk;
+      fma_row(xr, 0, accP);
+      load_window_row<scalar_t, V, PAD>(s + a.P, xr);
+      fma_row(xr, 1, accP);
+#pragma unroll
+      for (int e = 0; e < V; ++e) accQ[e] = bk;
+      fma_row(xr, 0, accQ);
       s += 2 * a.P;
-#pragma unroll 3
       for (int r = 0; r < nr; ++r) {
-        load_window_row<scalar_t, V, PAD>(s, w2);
+        load_window_row<scalar_t, V, PAD>(s, xr);
         s += a.P;
+        fma_row(xr, 2, accP);
         AlignedVec<scalar_t, V> res;
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          float acc = bk;
-#pragma unroll
-          for (int kw = 0; kw < 3; ++kw) {
-            acc = fmaf(wk[kw], w0[e + kw], acc);
-            acc = fmaf(wk[3 + kw], w1[e + kw], acc);
-            acc = fmaf(wk[6 + kw], w2[e + kw], acc);
-          }
-          if (a.relu) acc = relu_nan(acc);
-          res.val[e] = static_cast<scalar_t>(acc);
-        }
+        for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_nan(accP[e]) : accP[e]);
         if (a.store_vec) {
           *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = res;
         } else {
@@ -470,10 +477,11 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __res
         }
         o += a.Wo;
 #pragma unroll
-        for (int e = 0; e < V + 2; ++e) {
-          w0[e] = w1[e];
-          w1[e] = w2[e];
-        }
+        for (int e = 0; e < V; ++e) accP[e] = accQ[e];
+        fma_row(xr, 1, accP);
+#pragma unroll
+        for (int e = 0; e < V; ++e) accQ[e] = bk;
+        fma_row(xr, 0, accQ);
       }
     }
   }
@@ -483,8 +491,9 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __res
 // (BH + 2) x (TW + 2) input pixels x CB channels in shared memory (input
 // dtype, copies of LB bytes along C, zeros outside the image). Each thread
 // owns 4 consecutive channels of one output column and slides down the tile's
-// BH rows with the 3 x 3 x 4 window and the 36 weights in registers (three
-// 4-wide shared loads per output row), storing 4 channels at once.
+// BH rows with the 36 weights, one staged row and two partial sums in
+// registers (three 4-wide shared loads per output row), storing 4 channels
+// at once.
 struct DwS1NhwcArgs {
   int64_t N;
   int C, H, W, Ho, Wo;
@@ -547,7 +556,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __res
 #pragma unroll
     for (int e = 0; e < V; ++e) {
 #pragma unroll
-      for (int t = 0; t < 9; ++t) wr[t][e] = static_cast<float>(w[(c0 + e) * 9 + t]);
+      for (int t = 0; t < 9; ++t) wr[t][e] = static_cast<float>(w[static_cast<int64_t>(c0 + e) * 9 + t]);
       bv[e] = b != nullptr ? static_cast<float>(b[c0 + e]) : 0.f;
     }
     const scalar_t* s = tile + q * a.CB + cv * V;  // staged row 0, column q
@@ -560,38 +569,43 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __res
         for (int e = 0; e < V; ++e) r[kw][e] = static_cast<float>(v.val[e]);
       }
     };
-    float r0[3][V], r1[3][V], r2[3][V];
-    load_row(s, r0);
-    load_row(s + rstep, r1);
+    // Rolling accumulators: staged row ri completes output row ri - 2 (kernel
+    // row 2), continues ri - 1 (row 1) and starts ri (row 0), so only one
+    // input row and two partial sums are live.
+    auto fma_row = [&](const float (&xr)[3][V], int kh, float (&acc)[V]) {
+#pragma unroll
+      for (int e = 0; e < V; ++e)
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) acc[e] = fmaf(wr[kh * 3 + kw][e], xr[kw][e], acc[e]);
+    };
+    float xr[3][V], accP[V], accQ[V];
+    load_row(s, xr);
+#pragma unroll
+    for (int e = 0; e < V; ++e) accP[e] = bv[e];
+    fma_row(xr, 0, accP);
+    load_row(s + rstep, xr);
+    fma_row(xr, 1, accP);
+#pragma unroll
+    for (int e = 0; e < V; ++e) accQ[e] = bv[e];
+    fma_row(xr, 0, accQ);
     s += 2 * rstep;
     scalar_t* o = out + ((n * a.Ho + oh0) * a.Wo + ow0 + q) * static_cast<int64_t>(a.C) + c0;
     const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
-#pragma unroll 3
     for (int r = 0; r < bh; ++r) {
-      load_row(s, r2);
+      load_row(s, xr);
       s += rstep;
+      fma_row(xr, 2, accP);
       AlignedVec<scalar_t, V> res;
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        float acc = bv[e];
-#pragma unroll
-        for (int kw = 0; kw < 3; ++kw) {
-          acc = fmaf(wr[kw][e], r0[kw][e], acc);
-          acc = fmaf(wr[3 + kw][e], r1[kw][e], acc);
-          acc = fmaf(wr[6 + kw][e], r2[kw][e], acc);
-        }
-        if (a.relu) acc = relu_nan(acc);
-        res.val[e] = static_cast<scalar_t>(acc);
-      }
+      for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_nan(accP[e]) : accP[e]);
       *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = res;
       o += ostep;
 #pragma unroll
-      for (int kw = 0; kw < 3; ++kw)
+      for (int e = 0; e < V; ++e) accP[e] = accQ[e];
+      fma_row(xr, 1, accP);
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          r0[kw][e] = r1[kw][e];
-          r1[kw][e] = r2[kw][e];
-        }
+      for (int e = 0; e < V; ++e) accQ[e] = bv[e];
+      fma_row(xr, 0, accQ);
     }
   }
 }
