@@ -507,14 +507,15 @@ S1_NCHW_CASES = [
 ]
 
 S1_NHWC_CASES = [
-    # (shape, padding)
-    ((2, 32, 20, 20), 1),  # one 32-channel chunk, 2x2 tiles of 10x10
-    ((1, 64, 37, 17), 1),  # two chunks, partial last tiles (11 rows, 8 columns)
+    # (shape, padding); small problems take tiles of 4-8 rows, (16, 64, 56, 56) of 14
+    ((2, 32, 20, 20), 1),  # one 32-channel chunk, two tile columns of 10
+    ((1, 64, 37, 17), 1),  # two chunks, partial last tiles (tile columns of 9 and 8)
     ((2, 40, 9, 12), 0),  # a partial channel chunk (8 of 32)
     ((1, 12, 8, 8), 1),  # C < 32: 8-byte copies for the half types
     ((1, 4, 5, 6), 0),  # C = 4
     ((1, 6, 8, 8), 1),  # C % 4 != 0: the tiled fallback
-    ((1, 16, 40, 3), 1),  # one tile column of 3, three tile rows
+    ((1, 16, 40, 3), 1),  # one tile column of 3
+    ((16, 64, 56, 56), 1),  # enough blocks for the full 16-row tiles (4 x 4 tiles of 14 x 14)
 ]
 
 

@@ -935,7 +935,12 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
     a.tiles_w = (a.Wo + 15) / 16;
     a.TW = (a.Wo + a.tiles_w - 1) / a.tiles_w;
     a.tiles_w = (a.Wo + a.TW - 1) / a.TW;
-    a.tiles_h = (a.Ho + 15) / 16;
+    // Tile rows: 16, or 8 / 4 when that leaves fewer than 3 blocks per SM
+    // (small problems: more, shorter blocks in flight beat fewer halo rows).
+    int rows = 16;
+    const int64_t want = 3LL * opforge::cuda::sm_count();
+    while (rows > 4 && g.N * ((a.Ho + rows - 1) / rows) * a.tiles_w * a.chunks < want) rows /= 2;
+    a.tiles_h = (a.Ho + rows - 1) / rows;
     a.BH = (a.Ho + a.tiles_h - 1) / a.tiles_h;
     a.tiles_h = (a.Ho + a.BH - 1) / a.BH;
     const int64_t blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
