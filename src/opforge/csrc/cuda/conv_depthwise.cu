@@ -283,6 +283,333 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restri
   }
 }
 
+// ------------------------------------------------ forward, stride 1: staged planes
+
+// Asynchronous global -> shared copies of B bytes (sm_80+: cp.async, which
+// needs no registers and keeps many loads in flight; older: a plain copy).
+template <int B>
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (B == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(B));
+  }
+#else
+  if constexpr (B == 16) {
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+  } else if constexpr (B == 8) {
+    *reinterpret_cast<uint2*>(smem) = *reinterpret_cast<const uint2*>(gmem);
+  } else {
+    *reinterpret_cast<unsigned*>(smem) = *reinterpret_cast<const unsigned*>(gmem);
+  }
+#endif
+}
+
+__device__ __forceinline__ void copy_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void zero_bytes(void* smem, int bytes) {
+  if (bytes == 16) {
+    *reinterpret_cast<uint4*>(smem) = make_uint4(0, 0, 0, 0);
+  } else if (bytes == 8) {
+    *reinterpret_cast<uint2*>(smem) = make_uint2(0, 0);
+  } else {
+    *reinterpret_cast<unsigned*>(smem) = 0u;
+  }
+}
+
+// max(v, 0) that keeps NaN (one instruction on sm_80+).
+__device__ __forceinline__ float relu_nan(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(v));
+  return r;
+#else
+  return relu_op(v);
+#endif
+}
+
+// NCHW, stride 1. A block stages `np` consecutive (image, channel) planes, or
+// one band of output rows of one plane, in shared memory in the input dtype:
+// staged row rr holds input row oh0 - PAD + rr at columns [E, E + W) of a row
+// of pitch P elements (E = 16 bytes of elements; columns [0, E) and
+// [E + W, P) and rows outside the image are zeros). Copies of LB bytes
+// (16/8/4 with cp.async, or single elements). Each thread item then owns V
+// consecutive output columns of a run of up to R output rows: it slides
+// down the rows with one (V + 2)-wide input row window and two partial sums
+// in registers (one V-wide shared load plus two scalars per input row; each
+// input row finishes one output row, continues the next and starts the one
+// after), adds the bias, applies ReLU and stores V values at once. A
+// channel multiplier loops over the same stage.
+struct DwS1Args {
+  int64_t planes;  // N * C
+  int C, H, W, Ho, Wo, mult;
+  int P, ngw, R, runs, BH, bands, PB, SR, LB, lpr_shift;
+  bool relu, store_vec;
+};
+
+template <typename scalar_t, int V, int PAD>
+__device__ __forceinline__ void load_window_row(const scalar_t* s, float (&win)[V + 2]) {
+  const auto v = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(s);
+  if constexpr (PAD == 1) {
+    win[0] = static_cast<float>(s[-1]);
+#pragma unroll
+    for (int e = 0; e < V; ++e) win[e + 1] = static_cast<float>(v.val[e]);
+    win[V + 1] = static_cast<float>(s[V]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) win[e] = static_cast<float>(v.val[e]);
+    win[V] = static_cast<float>(s[V]);
+    win[V + 1] = static_cast<float>(s[V + 1]);
+  }
+}
+
+template <typename scalar_t, int V, int PAD>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __restrict__ x,
+                                                           const scalar_t* __restrict__ w,
+                                                           const scalar_t* __restrict__ b,
+                                                           scalar_t* __restrict__ out, DwS1Args a) {
+  constexpr int E = 16 / static_cast<int>(sizeof(scalar_t));
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  scalar_t* tile = reinterpret_cast<scalar_t*>(smem_raw);
+
+  const int64_t blk = blockIdx.x;
+  const int band = static_cast<int>(blk % a.bands);
+  const int64_t plane0 = (blk / a.bands) * a.PB;
+  const int np = static_cast<int>(a.planes - plane0 < a.PB ? a.planes - plane0 : a.PB);
+  const int oh0 = band * a.BH;
+  const int bh = min(a.BH, a.Ho - oh0);
+  const int sr = bh + 2;
+
+  // Stage: 2^lpr_shift lanes per row.
+  {
+    const int lpr = 1 << a.lpr_shift;
+    const int lane = threadIdx.x & (lpr - 1);
+    const int slots = blockDim.x >> a.lpr_shift;
+    const int L = a.LB / static_cast<int>(sizeof(scalar_t));  // elements per copy
+    const int nvec = a.W / L;
+    for (int q = threadIdx.x >> a.lpr_shift; q < np * sr; q += slots) {
+      const int p = q / sr, rr = q - p * sr;
+      const int ih = oh0 - PAD + rr;
+      scalar_t* dst = tile + (p * a.SR + rr) * a.P;
+      if (ih < 0 || ih >= a.H) {
+        for (int j = lane; j < a.P / E; j += lpr) zero_bytes(dst + j * E, 16);
+        continue;
+      }
+      const scalar_t* src = x + ((plane0 + p) * a.H + ih) * static_cast<int64_t>(a.W);
+      scalar_t* d = dst + E;
+      switch (a.LB) {
+        case 16:
+          for (int v = lane; v < nvec; v += lpr) copy_async<16>(d + v * L, src + v * L);
+          break;
+        case 8:
+          for (int v = lane; v < nvec; v += lpr) copy_async<8>(d + v * L, src + v * L);
+          break;
+        case 4:
+          for (int v = lane; v < nvec; v += lpr) copy_async<4>(d + v * L, src + v * L);
+          break;
+        default:
+          for (int v = lane; v < nvec; v += lpr) d[v] = src[v];
+          break;
+      }
+      for (int j = lane; j < E; j += lpr) dst[j] = scalar_t(0);
+      for (int j = E + a.W + lane; j < a.P; j += lpr) dst[j] = scalar_t(0);
+    }
+    copy_async_wait_all();
+    __syncthreads();
+  }
+
+  const int items = np * a.runs * a.ngw;
+  for (int j = 0; j < a.mult; ++j) {
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+      const int g = it % a.ngw;
+      const int t = it / a.ngw;
+      const int run = t % a.runs, p = t / a.runs;
+      const int r0 = run * a.R;
+      const int nr = min(a.R, bh - r0);
+      if (nr <= 0) continue;
+      const int64_t plane = plane0 + p;
+      const int64_t k = (plane % a.C) * a.mult + j;
+      float wk[9];
+#pragma unroll
+      for (int q = 0; q < 9; ++q) wk[q] = static_cast<float>(w[k * 9 + q]);
+      const float bk = b != nullptr ? static_cast<float>(b[k]) : 0.f;
+
+      const int ow = g * V;
+      const int valid = min(V, a.Wo - ow);
+      const scalar_t* s = tile + (p * a.SR + r0) * a.P + E + ow;
+      scalar_t* o = out + ((plane * a.mult + j) * a.Ho + oh0 + r0) * static_cast<int64_t>(a.Wo) + ow;
+      // Rolling accumulators (as in the NHWC kernel below): only one input
+      // row window and two partial sums are live.
+      auto fma_row = [&](const float (&xr)[V + 2], int kh, float (&acc)[V]) {
+#pragma unroll
+        for (int e = 0; e < V; ++e)
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw) acc[e] = fmaf(wk[kh * 3 + kw], xr[e + kw], acc[e]);
+      };
+      float xr[V + 2], accP[V], accQ[V];
+      load_window_row<scalar_t, V, PAD>(s, xr);
+#pragma unroll
+      for (int e = 0; e < V; ++e) accP[e] = bk;
+      fma_row(xr, 0, accP);
+      load_window_row<scalar_t, V, PAD>(s + a.P, xr);
+      fma_row(xr, 1, accP);
+#pragma unroll
+      for (int e = 0; e < V; ++e) accQ[e] = bk;
+      fma_row(xr, 0, accQ);
+      s += 2 * a.P;
+      for (int r = 0; r < nr; ++r) {
+        load_window_row<scalar_t, V, PAD>(s, xr);
+        s += a.P;
+        fma_row(xr, 2, accP);
+        AlignedVec<scalar_t, V> res;
+#pragma unroll
+        for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_nan(accP[e]) : accP[e]);
+        if (a.store_vec) {
+          *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = res;
+        } else {
+          for (int e = 0; e < valid; ++e) o[e] = res.val[e];
+        }
+        o += a.Wo;
+#pragma unroll
+        for (int e = 0; e < V; ++e) accP[e] = accQ[e];
+        fma_row(xr, 1, accP);
+#pragma unroll
+        for (int e = 0; e < V; ++e) accQ[e] = bk;
+        fma_row(xr, 0, accQ);
+      }
+    }
+  }
+}
+
+// NHWC, stride 1, multiplier 1, C % 4 == 0. A block stages a tile of
+// (BH + 2) x (TW + 2) input pixels x CB channels in shared memory (input
+// dtype, copies of LB bytes along C, zeros outside the image). Each thread
+// owns 4 consecutive channels of one output column and slides down the tile's
+// BH rows with the 36 weights, one staged row and two partial sums in
+// registers (three 4-wide shared loads per output row), storing 4 channels
+// at once.
+struct DwS1NhwcArgs {
+  int64_t N;
+  int C, H, W, Ho, Wo;
+  int CB, chunks, TW, BH, tiles_w, tiles_h, LB;
+  bool relu;
+};
+
+template <typename scalar_t, int PAD>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __restrict__ x,
+                                                           const scalar_t* __restrict__ w,
+                                                           const scalar_t* __restrict__ b,
+                                                           scalar_t* __restrict__ out, DwS1NhwcArgs a) {
+  constexpr int V = 4;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  scalar_t* tile = reinterpret_cast<scalar_t*>(smem_raw);
+
+  int64_t blk = blockIdx.x;
+  const int chunk = static_cast<int>(blk % a.chunks);
+  blk /= a.chunks;
+  const int tw = static_cast<int>(blk % a.tiles_w);
+  blk /= a.tiles_w;
+  const int th = static_cast<int>(blk % a.tiles_h);
+  const int64_t n = blk / a.tiles_h;
+  const int cin0 = chunk * a.CB;
+  const int cba = min(a.CB, a.C - cin0);
+  const int oh0 = th * a.BH, ow0 = tw * a.TW;
+  const int bh = min(a.BH, a.Ho - oh0), bw = min(a.TW, a.Wo - ow0);
+  const int sw = bw + 2;          // staged columns
+  const int spitch = a.TW + 2;    // staged pixels per row
+  {
+    const int L = a.LB / static_cast<int>(sizeof(scalar_t));
+    const int cpp = cba / L;  // copies per pixel
+    const int total = (bh + 2) * sw * cpp;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+      const int pix = i / cpp, part = i - pix * cpp;
+      const int rr = pix / sw, qq = pix - rr * sw;
+      const int ih = oh0 - PAD + rr, iw = ow0 - PAD + qq;
+      scalar_t* dst = tile + (rr * spitch + qq) * a.CB + part * L;
+      if (ih < 0 || ih >= a.H || iw < 0 || iw >= a.W) {
+        zero_bytes(dst, a.LB);
+        continue;
+      }
+      const scalar_t* src = x + ((n * a.H + ih) * a.W + iw) * static_cast<int64_t>(a.C) + cin0 + part * L;
+      switch (a.LB) {
+        case 16: copy_async<16>(dst, src); break;
+        case 8: copy_async<8>(dst, src); break;
+        default: copy_async<4>(dst, src); break;
+      }
+    }
+    copy_async_wait_all();
+    __syncthreads();
+  }
+
+  const int cvn = cba / V;
+  const int items = cvn * bw;
+  for (int it = threadIdx.x; it < items; it += blockDim.x) {
+    const int cv = it % cvn, q = it / cvn;
+    const int c0 = cin0 + cv * V;
+    float wr[9][V], bv[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+#pragma unroll
+      for (int t = 0; t < 9; ++t) wr[t][e] = static_cast<float>(w[static_cast<int64_t>(c0 + e) * 9 + t]);
+      bv[e] = b != nullptr ? static_cast<float>(b[c0 + e]) : 0.f;
+    }
+    const scalar_t* s = tile + q * a.CB + cv * V;  // staged row 0, column q
+    const int rstep = spitch * a.CB;
+    auto load_row = [&](const scalar_t* sp, float (&r)[3][V]) {
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) {
+        const auto v = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(sp + kw * a.CB);
+#pragma unroll
+        for (int e = 0; e < V; ++e) r[kw][e] = static_cast<float>(v.val[e]);
+      }
+    };
+    // Rolling accumulators: staged row ri completes output row ri - 2 (kernel
+    // row 2), continues ri - 1 (row 1) and starts ri (row 0), so only one
+    // input row and two partial sums are live.
+    auto fma_row = [&](const float (&xr)[3][V], int kh, float (&acc)[V]) {
+#pragma unroll
+      for (int e = 0; e < V; ++e)
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) acc[e] = fmaf(wr[kh * 3 + kw][e], xr[kw][e], acc[e]);
+    };
+    float xr[3][V], accP[V], accQ[V];
+    load_row(s, xr);
+#pragma unroll
+    for (int e = 0; e < V; ++e) accP[e] = bv[e];
+    fma_row(xr, 0, accP);
+    load_row(s + rstep, xr);
+    fma_row(xr, 1, accP);
+#pragma unroll
+    for (int e = 0; e < V; ++e) accQ[e] = bv[e];
+    fma_row(xr, 0, accQ);
+    s += 2 * rstep;
+    scalar_t* o = out + ((n * a.Ho + oh0) * a.Wo + ow0 + q) * static_cast<int64_t>(a.C) + c0;
+    const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
+    for (int r = 0; r < bh; ++r) {
+      load_row(s, xr);
+      s += rstep;
+      fma_row(xr, 2, accP);
+      AlignedVec<scalar_t, V> res;
+#pragma unroll
+      for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_nan(accP[e]) : accP[e]);
+      *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = res;
+      o += ostep;
+#pragma unroll
+      for (int e = 0; e < V; ++e) accP[e] = accQ[e];
+      fma_row(xr, 1, accP);
+#pragma unroll
+      for (int e = 0; e < V; ++e) accQ[e] = bv[e];
+      fma_row(xr, 0, accQ);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- backward: grad x
 
 // One thread per element of grad x (in x's layout order):
@@ -491,6 +818,146 @@ void launch_fwd_v(const scalar_t* x, const scalar_t* w, const scalar_t* b, scala
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+constexpr size_t kStageBudget = 48 * 1024;  // shared bytes per block of the stride-1 kernels
+
+int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+// The stride-1 NCHW kernel, when the shape suits it (float32/float16/bfloat16
+// and three staged rows of one plane fit the budget). Returns false otherwise.
+template <typename scalar_t>
+bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
+                         bool relu, cudaStream_t stream) {
+  constexpr int s = static_cast<int>(sizeof(scalar_t));
+  if constexpr (s == 8) {
+    return false;
+  } else {
+    if (g.stride != 1 || g.H > INT32_MAX / 4 || g.W > INT32_MAX / 4 || g.C > INT32_MAX || g.mult > INT32_MAX)
+      return false;
+    constexpr int E = 16 / s;
+    const int W = static_cast<int>(g.W), Wo = static_cast<int>(g.Wo), Ho = static_cast<int>(g.Ho);
+    // Output columns per thread: 16 bytes, or 8 when that divides Wo and 16 does not.
+    int V = E;
+    if (Wo % V != 0 && Wo % (V / 2) == 0) V /= 2;
+    DwS1Args a{};
+    a.planes = g.N * g.C;
+    a.C = static_cast<int>(g.C);
+    a.H = static_cast<int>(g.H);
+    a.W = W;
+    a.Ho = Ho;
+    a.Wo = Wo;
+    a.mult = static_cast<int>(g.mult);
+    a.relu = relu;
+    a.ngw = (Wo + V - 1) / V;
+    a.P = E + round_up(std::max(W, a.ngw * V + 2), E);
+    const size_t row_bytes = static_cast<size_t>(a.P) * s;
+    const int max_rows = static_cast<int>(kStageBudget / row_bytes) - 2;  // output rows per block
+    if (max_rows < 1) return false;
+    a.LB = s;
+    for (int lb : {16, 8, 4}) {
+      if (lb >= s && (static_cast<int64_t>(W) * s) % lb == 0 && opforge::cuda::is_aligned(xp, lb)) {
+        a.LB = lb;
+        break;
+      }
+    }
+    a.store_vec = Wo % V == 0 && opforge::cuda::is_aligned(op, static_cast<size_t>(V) * s);
+    // Bands of output rows (balanced), runs of up to 8 rows per thread.
+    a.bands = (Ho + max_rows - 1) / max_rows;
+    a.BH = (Ho + a.bands - 1) / a.bands;
+    a.bands = (Ho + a.BH - 1) / a.BH;
+    a.runs = (a.BH + 7) / 8;
+    a.R = (a.BH + a.runs - 1) / a.runs;
+    a.runs = (a.BH + a.R - 1) / a.R;
+    a.SR = a.BH + 2;
+    const int per_plane = a.runs * a.ngw;  // thread items per plane (band)
+    a.PB = 1;
+    if (a.bands == 1) {
+      // Several small planes per block: up to kThreads items and the budget,
+      // while keeping at least 4 blocks per SM.
+      const int64_t by_threads = std::max(1, kThreads / per_plane);
+      const int64_t by_smem = static_cast<int64_t>(kStageBudget / (row_bytes * a.SR));
+      const int64_t by_blocks = std::max<int64_t>(1, a.planes / (4LL * opforge::cuda::sm_count()));
+      a.PB = static_cast<int>(std::max<int64_t>(1, std::min({by_threads, by_smem, by_blocks})));
+    }
+    const int vec_per_row = W / (a.LB / s);
+    a.lpr_shift = 0;
+    while ((1 << a.lpr_shift) < std::min(vec_per_row, 32)) ++a.lpr_shift;
+    const int threads = std::min(kThreads, round_up(a.PB * per_plane, 32));
+    const int64_t blocks = (a.planes + a.PB - 1) / a.PB * a.bands;
+    TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
+    const size_t smem = row_bytes * a.SR * a.PB;
+    auto launch = [&](auto kernel) {
+      set_smem(kernel, smem);
+      kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(xp, wp, bp, op, a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (V == E) {
+      if (g.pad == 1) launch(dw_fwd_nchw_s1<scalar_t, E, 1>);
+      else launch(dw_fwd_nchw_s1<scalar_t, E, 0>);
+    } else {
+      if (g.pad == 1) launch(dw_fwd_nchw_s1<scalar_t, E / 2, 1>);
+      else launch(dw_fwd_nchw_s1<scalar_t, E / 2, 0>);
+    }
+    return true;
+  }
+}
+
+// The stride-1 NHWC kernel: float32/float16/bfloat16, multiplier 1, C % 4 == 0,
+// x aligned for at least 4-byte copies and out for 4-channel stores.
+template <typename scalar_t>
+bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
+                         bool relu, cudaStream_t stream) {
+  constexpr int s = static_cast<int>(sizeof(scalar_t));
+  if constexpr (s == 8) {
+    return false;
+  } else {
+    if (g.stride != 1 || g.mult != 1 || g.C % 4 != 0 || g.C > INT32_MAX / 2 || g.H > INT32_MAX / 4 ||
+        g.W > INT32_MAX / 4 || !opforge::cuda::is_aligned(op, 4 * s))
+      return false;
+    DwS1NhwcArgs a{};
+    a.N = g.N;
+    a.C = static_cast<int>(g.C);
+    a.H = static_cast<int>(g.H);
+    a.W = static_cast<int>(g.W);
+    a.Ho = static_cast<int>(g.Ho);
+    a.Wo = static_cast<int>(g.Wo);
+    a.relu = relu;
+    a.CB = std::min(32, a.C);
+    a.LB = 0;
+    for (int lb : {16, 8, 4}) {
+      if ((a.C * s) % lb == 0 && (a.CB * s) % lb == 0 && opforge::cuda::is_aligned(xp, lb)) {
+        a.LB = lb;
+        break;
+      }
+    }
+    if (a.LB == 0) return false;
+    a.chunks = (a.C + a.CB - 1) / a.CB;
+    // Tiles of up to 16 x 16 output pixels, balanced over the image.
+    a.tiles_w = (a.Wo + 15) / 16;
+    a.TW = (a.Wo + a.tiles_w - 1) / a.tiles_w;
+    a.tiles_w = (a.Wo + a.TW - 1) / a.TW;
+    // Tile rows: 16, or 8 / 4 when that leaves fewer than 3 blocks per SM
+    // (small problems: more, shorter blocks in flight beat fewer halo rows).
+    int rows = 16;
+    const int64_t want = 3LL * opforge::cuda::sm_count();
+    while (rows > 4 && g.N * ((a.Ho + rows - 1) / rows) * a.tiles_w * a.chunks < want) rows /= 2;
+    a.tiles_h = (a.Ho + rows - 1) / rows;
+    a.BH = (a.Ho + a.tiles_h - 1) / a.tiles_h;
+    a.tiles_h = (a.Ho + a.BH - 1) / a.BH;
+    const int64_t blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
+    TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
+    const int threads = round_up(a.CB / 4 * a.TW, 32);
+    const size_t smem = static_cast<size_t>(a.BH + 2) * (a.TW + 2) * a.CB * s;
+    auto launch = [&](auto kernel) {
+      set_smem(kernel, smem);
+      kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(xp, wp, bp, op, a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (g.pad == 1) launch(dw_fwd_nhwc_s1<scalar_t, 1>);
+    else launch(dw_fwd_nhwc_s1<scalar_t, 0>);
+    return true;
+  }
+}
+
 DwArgs base_args(const Geometry& g) {
   DwArgs a{};
   a.N = g.N; a.C = g.C; a.H = g.H; a.W = g.W; a.K = g.K; a.Ho = g.Ho; a.Wo = g.Wo;
@@ -515,6 +982,10 @@ void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::
     const auto* wp = w.const_data_ptr<scalar_t>();
     const auto* bp = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     auto* op = out.mutable_data_ptr<scalar_t>();
+    if (nhwc ? try_forward_nhwc_s1<scalar_t>(xp, wp, bp, op, g, relu, stream)
+             : try_forward_nchw_s1<scalar_t>(xp, wp, bp, op, g, relu, stream)) {
+      return;
+    }
     int V;
     int64_t blocks;
     size_t smem;
