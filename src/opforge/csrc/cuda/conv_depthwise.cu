@@ -20,6 +20,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
@@ -285,33 +286,8 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restri
 
 // ------------------------------------------------ forward, stride 1: staged planes
 
-// Asynchronous global -> shared copies of B bytes (sm_80+: cp.async, which
-// needs no registers and keeps many loads in flight; older: a plain copy).
-template <int B>
-__device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (B == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(B));
-  }
-#else
-  if constexpr (B == 16) {
-    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
-  } else if constexpr (B == 8) {
-    *reinterpret_cast<uint2*>(smem) = *reinterpret_cast<const uint2*>(gmem);
-  } else {
-    *reinterpret_cast<unsigned*>(smem) = *reinterpret_cast<const unsigned*>(gmem);
-  }
-#endif
-}
-
-__device__ __forceinline__ void copy_async_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
+using opforge::cuda::copy_async;
+using opforge::cuda::copy_async_wait_all;
 
 __device__ __forceinline__ void zero_bytes(void* smem, int bytes) {
   if (bytes == 16) {

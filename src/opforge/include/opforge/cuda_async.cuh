@@ -3,7 +3,8 @@
 // cp_async_wait<N>() blocks until at most N of its groups are still in
 // flight. A thread's own copies are visible to it after the wait; other
 // threads' copies need a __syncthreads() as well. Kernels compiled for
-// older GPUs must not call these (guard with __CUDA_ARCH__ >= 800).
+// older GPUs must not call cp_async16 / cp_async_commit / cp_async_wait
+// (guard with __CUDA_ARCH__ >= 800); copy_async falls back to plain copies.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +27,37 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Copies B = 4, 8 or 16 bytes (both addresses aligned to B) from global to
+// shared memory asynchronously on sm_80 and later (16 bytes bypass L1);
+// compiled for older GPUs it is a plain copy. Pair with copy_async_wait_all().
+template <int B>
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
+  static_assert(B == 4 || B == 8 || B == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t s = smem_u32(smem);
+  if constexpr (B == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(B));
+  }
+#else
+  if constexpr (B == 16) {
+    *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+  } else if constexpr (B == 8) {
+    *reinterpret_cast<uint2*>(smem) = *reinterpret_cast<const uint2*>(gmem);
+  } else {
+    *reinterpret_cast<unsigned*>(smem) = *reinterpret_cast<const unsigned*>(gmem);
+  }
+#endif
+}
+
+// Waits for all of this thread's copy_async copies (no-op below sm_80).
+__device__ __forceinline__ void copy_async_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
 }
 
 }  // namespace opforge::cuda
