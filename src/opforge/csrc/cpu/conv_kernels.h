@@ -37,8 +37,173 @@ inline T relu_scalar(T a) {
   return a < T(0) ? T(0) : a;
 }
 
+// One vector of opmath values from / to scalar_t memory. The counted forms
+// touch only the first n elements (the other lanes load as 0); on AVX-512 they
+// are masked accesses, elsewhere they go through a small buffer.
+template <typename scalar_t>
+struct VecIo {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  static constexpr int L = V::size();
+  static constexpr bool kSame = std::is_same_v<scalar_t, opmath_t>;
+  static constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+
+  static inline V load(const scalar_t* p) {
+    if constexpr (kSame) {
+      return V::loadu(p);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      __m512 o;
+      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      return V(o);
+#elif defined(CPU_CAPABILITY_AVX2)
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      __m256 o;
+      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      return V(o);
+#else
+      return load(p, L);
+#endif
+    }
+  }
+
+  static inline V load(const scalar_t* p, int n) {
+    if constexpr (kSame) {
+      return V::loadu(p, n);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p);
+      __m512 o;
+      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      return V(o);
+#else
+      opmath_t buf[L] = {};
+      for (int i = 0; i < n; ++i) buf[i] = static_cast<opmath_t>(p[i]);
+      return V::loadu(buf);
+#endif
+    }
+  }
+
+  static inline void store(scalar_t* p, const V& v) {
+    if constexpr (kSame) {
+      v.store(p);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = kBf16 ? at::vec::cvtfp32_bf16(__m512(v)) : at::vec::cvtfp32_fp16(__m512(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+#elif defined(CPU_CAPABILITY_AVX2)
+      const __m128i h = kBf16 ? at::vec::cvtfp32_bf16(__m256(v)) : at::vec::cvtfp32_fp16(__m256(v));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+#else
+      store(p, v, L);
+#endif
+    }
+  }
+
+  static inline void store(scalar_t* p, const V& v, int n) {
+    if constexpr (kSame) {
+      v.store(p, n);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = kBf16 ? at::vec::cvtfp32_bf16(__m512(v)) : at::vec::cvtfp32_fp16(__m512(v));
+      _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1u), h);
+#else
+      opmath_t buf[L];
+      v.store(buf);
+      for (int i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(buf[i]);
+#endif
+    }
+  }
+};
+
+// Rows [oh0, oh1) of output channel plane `op` from the staged opmath plane
+// (padded rows, each rowlen long; stride 2: even columns, then odd ones from E).
+// Stride 1 computes two rows per pass from four staged rows: each loaded vector
+// feeds both rows' accumulators (12 loads for 18 FMAs). `stage(r)` is called
+// before padded row r is first read (rows in increasing order).
+template <typename scalar_t, typename Stage>
+inline void dw_nchw_rows(const at::opmath_type<scalar_t>* plane, int64_t rowlen, int64_t E, int64_t s, int64_t Wo,
+                         int64_t oh0, int64_t oh1, const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv,
+                         at::opmath_type<scalar_t> bk, bool relu, scalar_t* op, Stage&& stage) {
+  using IO = VecIo<scalar_t>;
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t L = V::size();
+  for (int64_t oh = oh0; oh < oh1;) {
+    if (s == 1 && oh + 1 < oh1) {
+      stage(oh + 4);
+      const opmath_t* R0 = plane + oh * rowlen;
+      scalar_t* o0 = op + oh * Wo;
+      scalar_t* o1 = o0 + Wo;
+      for (int64_t ow = 0; ow < Wo; ow += L) {
+        V a0(bk), a1(bk);
+#pragma GCC unroll 4
+        for (int rr = 0; rr < 4; ++rr) {
+          const opmath_t* R = R0 + rr * rowlen + ow;
+          const V x0 = V::loadu(R), x1 = V::loadu(R + 1), x2 = V::loadu(R + 2);
+          if (rr < 3) {
+            a0 = at::vec::fmadd(wv[rr * 3], x0, a0);
+            a0 = at::vec::fmadd(wv[rr * 3 + 1], x1, a0);
+            a0 = at::vec::fmadd(wv[rr * 3 + 2], x2, a0);
+          }
+          if (rr > 0) {
+            a1 = at::vec::fmadd(wv[rr * 3 - 3], x0, a1);
+            a1 = at::vec::fmadd(wv[rr * 3 - 2], x1, a1);
+            a1 = at::vec::fmadd(wv[rr * 3 - 1], x2, a1);
+          }
+        }
+        if (relu) {
+          a0 = relu_vec(a0);
+          a1 = relu_vec(a1);
+        }
+        const int64_t rem = Wo - ow;
+        if (rem >= L) {
+          IO::store(o0 + ow, a0);
+          IO::store(o1 + ow, a1);
+        } else {
+          // Full-width loads stay inside the row's slack (rowlen >= Wp + L);
+          // only the rem valid values are stored.
+          IO::store(o0 + ow, a0, static_cast<int>(rem));
+          IO::store(o1 + ow, a1, static_cast<int>(rem));
+        }
+      }
+      oh += 2;
+      continue;
+    }
+    stage(oh * s + 3);
+    const opmath_t* taps[9];
+    for (int kh = 0; kh < 3; ++kh) {
+      const opmath_t* row = plane + (oh * s + kh) * rowlen;
+      taps[kh * 3 + 0] = row;
+      taps[kh * 3 + 1] = s == 1 ? row + 1 : row + E;
+      taps[kh * 3 + 2] = row + 1 + (s == 1);
+    }
+    scalar_t* orow = op + oh * Wo;
+    for (int64_t ow = 0; ow < Wo; ow += L) {
+      V a(bk);
+#pragma GCC unroll 9
+      for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
+      if (relu) a = relu_vec(a);
+      const int64_t rem = Wo - ow;
+      if (rem >= L) {
+        IO::store(orow + ow, a);
+      } else {
+        IO::store(orow + ow, a, static_cast<int>(rem));
+      }
+    }
+    ++oh;
+  }
+}
+
+// NCHW: work items are (image, channel, range of output rows); a plane is
+// split into row ranges only when there are too few planes for the threads.
+// The input rows an item needs are converted to opmath and zero padded into a
+// plane buffer just before their first use, so reading the input (from
+// memory) and the FMAs interleave instead of running as separate phases.
 template <typename scalar_t>
 void dw_nchw(const conv::DwParams& p) {
+  using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
@@ -50,127 +215,179 @@ void dw_nchw(const conv::DwParams& p) {
   const int64_t Hp = H + 2 * pad, Wp = W + 2 * pad;
   const int64_t E = (Wp + 1) / 2;  // stride 2: even columns first, then odd ones
   const int64_t rowlen = Wp + L;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * W * m));
-  at::parallel_for(0, p.N * p.C, grain, [&](int64_t begin, int64_t end) {
+  const int64_t planes = p.N * p.C;
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  int64_t rows_per_item = Ho;
+  if (planes < want) {
+    const int64_t chunks = std::min<int64_t>(Ho, (want + planes - 1) / planes);
+    rows_per_item = (Ho + chunks - 1) / chunks;
+  }
+  const int64_t chunks = (Ho + rows_per_item - 1) / rows_per_item;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rows_per_item * Wo * m));
+  at::parallel_for(0, planes * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> plane(Hp * rowlen, opmath_t(0));
-    std::vector<opmath_t> acc(Wo + L);
-    for (int64_t nc = begin; nc < end; ++nc) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t nc = item / chunks, oh0 = (item % chunks) * rows_per_item;
+      const int64_t oh1 = std::min(Ho, oh0 + rows_per_item);
       const int64_t n = nc / p.C, c = nc % p.C;
       const scalar_t* xp = x + nc * H * W;
-      for (int64_t r = 0; r < Hp; ++r) {
-        opmath_t* row = plane.data() + r * rowlen;
-        const int64_t ih = r - pad;
-        if (ih < 0 || ih >= H) {
-          std::fill(row, row + rowlen, opmath_t(0));
-          continue;
-        }
-        const scalar_t* xr = xp + ih * W;
-        if (s == 1) {
-          if (pad) row[0] = row[Wp - 1] = opmath_t(0);
-          for (int64_t iw = 0; iw < W; ++iw) row[iw + pad] = static_cast<opmath_t>(xr[iw]);
-        } else {
-          for (int64_t q = 0; q < Wp; ++q) {
-            const int64_t iw = q - pad;
-            const opmath_t v = (iw >= 0 && iw < W) ? static_cast<opmath_t>(xr[iw]) : opmath_t(0);
-            row[(q & 1) ? E + (q >> 1) : (q >> 1)] = v;
+      // Padded rows [first, next) are staged; rows up to `limit` are needed.
+      int64_t next = oh0 * s;
+      const int64_t limit = (oh1 - 1) * s + 3;
+      auto stage = [&](int64_t upto) {
+        for (upto = std::min(upto, limit); next < upto; ++next) {
+          opmath_t* row = plane.data() + next * rowlen;
+          const int64_t ih = next - pad;
+          if (ih < 0 || ih >= H) {
+            std::fill(row, row + rowlen, opmath_t(0));
+            continue;
+          }
+          const scalar_t* xr = xp + ih * W;
+          if (s == 1) {
+            opmath_t* d = row + pad;
+            int64_t iw = 0;
+            for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
+            if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+            if (pad) row[0] = row[Wp - 1] = opmath_t(0);
+          } else {
+            for (int64_t q = 0; q < Wp; ++q) {
+              const int64_t iw = q - pad;
+              const opmath_t v = (iw >= 0 && iw < W) ? static_cast<opmath_t>(xr[iw]) : opmath_t(0);
+              row[(q & 1) ? E + (q >> 1) : (q >> 1)] = v;
+            }
           }
         }
-      }
+      };
       for (int64_t j = 0; j < m; ++j) {
         const int64_t k = c * m + j;
-        opmath_t wk[9];
-        for (int t = 0; t < 9; ++t) wk[t] = static_cast<opmath_t>(w[k * 9 + t]);
-        const opmath_t bk = b ? static_cast<opmath_t>(b[k]) : opmath_t(0);
-        scalar_t* op = out + (n * p.K + k) * Ho * Wo;
         V wv[9];
-        for (int t = 0; t < 9; ++t) wv[t] = V(wk[t]);
-        for (int64_t oh = 0; oh < Ho; ++oh) {
-          if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-            if (s == 1 && oh + 1 < Ho) {
-              // Two output rows at once from four staged rows: each loaded
-              // vector feeds both rows' accumulators (12 loads per 2 outputs).
-              const opmath_t* R[4];
-              for (int rr = 0; rr < 4; ++rr) R[rr] = plane.data() + (oh + rr) * rowlen;
-              scalar_t* o0 = op + oh * Wo;
-              scalar_t* o1 = o0 + Wo;
-              for (int64_t ow = 0; ow < Wo; ow += L) {
-                V a0(bk), a1(bk);
-                for (int rr = 0; rr < 4; ++rr) {
-                  const V x0 = V::loadu(R[rr] + ow), x1 = V::loadu(R[rr] + ow + 1), x2 = V::loadu(R[rr] + ow + 2);
-                  if (rr < 3) {
-                    a0 = at::vec::fmadd(wv[rr * 3], x0, a0);
-                    a0 = at::vec::fmadd(wv[rr * 3 + 1], x1, a0);
-                    a0 = at::vec::fmadd(wv[rr * 3 + 2], x2, a0);
-                  }
-                  if (rr > 0) {
-                    a1 = at::vec::fmadd(wv[rr * 3 - 3], x0, a1);
-                    a1 = at::vec::fmadd(wv[rr * 3 - 2], x1, a1);
-                    a1 = at::vec::fmadd(wv[rr * 3 - 1], x2, a1);
-                  }
-                }
-                if (p.relu) {
-                  a0 = relu_vec(a0);
-                  a1 = relu_vec(a1);
-                }
-                const int64_t rem = Wo - ow;
-                if (rem >= L) {
-                  a0.store(o0 + ow);
-                  a1.store(o1 + ow);
-                } else {
-                  a0.store(o0 + ow, static_cast<int>(rem));
-                  a1.store(o1 + ow, static_cast<int>(rem));
-                }
-              }
-              ++oh;
-              continue;
-            }
-          }
-          const opmath_t* taps[9];
-          for (int kh = 0; kh < 3; ++kh) {
-            const opmath_t* row = plane.data() + (oh * s + kh) * rowlen;
-            if (s == 1) {
-              taps[kh * 3 + 0] = row;
-              taps[kh * 3 + 1] = row + 1;
-              taps[kh * 3 + 2] = row + 2;
-            } else {
-              taps[kh * 3 + 0] = row;
-              taps[kh * 3 + 1] = row + E;
-              taps[kh * 3 + 2] = row + 1;
-            }
-          }
-          scalar_t* orow = op + oh * Wo;
-          int64_t ow = 0;
-          for (; ow + L <= Wo; ow += L) {
-            V a(bk);
-            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
-            if (p.relu) a = relu_vec(a);
-            if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-              a.store(orow + ow);
-            } else {
-              a.store(acc.data() + ow);
-              for (int64_t i = 0; i < L; ++i) orow[ow + i] = static_cast<scalar_t>(acc[ow + i]);
-            }
-          }
-          if (ow < Wo) {
-            // Tail: full-width loads stay inside the row's slack (rowlen = Wp + L),
-            // only Wo - ow values are stored.
-            const int64_t rem = Wo - ow;
-            V a(bk);
-            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
-            if (p.relu) a = relu_vec(a);
-            if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-              a.store(orow + ow, static_cast<int>(rem));
-            } else {
-              a.store(acc.data() + ow);
-              for (int64_t i = 0; i < rem; ++i) orow[ow + i] = static_cast<scalar_t>(acc[ow + i]);
-            }
-          }
-        }
+        for (int t = 0; t < 9; ++t) wv[t] = V(static_cast<opmath_t>(w[k * 9 + t]));
+        const opmath_t bk = b ? static_cast<opmath_t>(b[k]) : opmath_t(0);
+        dw_nchw_rows<scalar_t>(plane.data(), rowlen, E, s, Wo, oh0, oh1, wv, bk, p.relu,
+                               out + (n * p.K + k) * Ho * Wo, stage);
       }
     }
   });
 }
 
+// NHWC, T output pixels along W for one vector of channels [k0, k0 + n):
+// r[kh] points at input row kh's first needed pixel (channel k0), nullptr for
+// a padding row; input pixels are C apart, output pixels K apart. Each loaded
+// input vector feeds up to 3 of the T accumulators.
+template <typename scalar_t, int S, int T, bool Full>
+inline void dw_nhwc_tile(const scalar_t* const* r, int64_t C, const at::opmath_type<scalar_t>* wk, int64_t K,
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, bool relu, int n) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  constexpr int NI = (T - 1) * S + 3;
+  V acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = bv;
+  for (int kh = 0; kh < 3; ++kh) {
+    if (!r[kh]) continue;
+    const V w0 = V::loadu(wk + (kh * 3) * K), w1 = V::loadu(wk + (kh * 3 + 1) * K),
+            w2 = V::loadu(wk + (kh * 3 + 2) * K);
+    V in[NI];
+#pragma GCC unroll 16
+    for (int i = 0; i < NI; ++i) in[i] = Full ? IO::load(r[kh] + i * C) : IO::load(r[kh] + i * C, n);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      acc[t] = at::vec::fmadd(w0, in[t * S], acc[t]);
+      acc[t] = at::vec::fmadd(w1, in[t * S + 1], acc[t]);
+      acc[t] = at::vec::fmadd(w2, in[t * S + 2], acc[t]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) {
+    if (relu) acc[t] = relu_vec(acc[t]);
+    if constexpr (Full) {
+      IO::store(o + t * K, acc[t]);
+    } else {
+      IO::store(o + t * K, acc[t], n);
+    }
+  }
+}
+
+// One NHWC output pixel whose taps may fall into the left / right padding:
+// rows[kh] points at input row kh's pixel 0 (channel k0) or is nullptr.
+template <typename scalar_t, bool Full>
+inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int64_t iw0,
+                         const at::opmath_type<scalar_t>* wk, int64_t K,
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, bool relu, int n) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  V a = bv;
+  for (int kh = 0; kh < 3; ++kh) {
+    if (!rows[kh]) continue;
+    for (int kw = 0; kw < 3; ++kw) {
+      const int64_t iw = iw0 + kw;
+      if (iw < 0 || iw >= W) continue;
+      const scalar_t* src = rows[kh] + iw * C;
+      a = at::vec::fmadd(V::loadu(wk + (kh * 3 + kw) * K), Full ? IO::load(src) : IO::load(src, n), a);
+    }
+  }
+  if (relu) a = relu_vec(a);
+  if constexpr (Full) {
+    IO::store(o, a);
+  } else {
+    IO::store(o, a, n);
+  }
+}
+
+// One NHWC output row, channel multiplier 1: pixels whose taps are all inside
+// the row go through dw_nhwc_tile, kTile at a time, every channel vector of a
+// tile before the next tile (the input and output are read and written in
+// order); the few pixels next to the padding go through dw_nhwc_edge.
+template <typename scalar_t, int S>
+void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* wt,
+                 const at::opmath_type<scalar_t>* bias, scalar_t* orow, int64_t C, int64_t W, int64_t Wo, int64_t pad,
+                 bool relu) {
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  constexpr int64_t L = V::size();
+  constexpr int kTile = 4;
+  const int64_t K = C;
+  // Output columns [lo, hi) read input columns inside [0, W) only.
+  const int64_t lo = std::min<int64_t>(Wo, (pad + S - 1) / S);
+  const int64_t last = W - 3 + pad;  // largest ow * S with all taps inside
+  const int64_t hi = std::max<int64_t>(lo, last < 0 ? 0 : std::min<int64_t>(Wo, last / S + 1));
+  const int64_t kfull = K / L * L;
+  const int ntail = static_cast<int>(K - kfull);
+  auto edge = [&](int64_t ow) {
+    const int64_t iw0 = ow * S - pad;
+    const scalar_t* r[3];
+    for (int64_t k0 = 0; k0 < K; k0 += L) {
+      for (int kh = 0; kh < 3; ++kh) r[kh] = rows[kh] ? rows[kh] + k0 : nullptr;
+      if (k0 < kfull) {
+        dw_nhwc_edge<scalar_t, true>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu, L);
+      } else {
+        dw_nhwc_edge<scalar_t, false>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu,
+                                      ntail);
+      }
+    }
+  };
+  auto tiles = [&](auto tile_const, int64_t ow) {
+    constexpr int Tn = decltype(tile_const)::value;
+    const int64_t iw0 = ow * S - pad;
+    const scalar_t* r[3];
+    for (int64_t k0 = 0; k0 < K; k0 += L) {
+      for (int kh = 0; kh < 3; ++kh) r[kh] = rows[kh] ? rows[kh] + iw0 * C + k0 : nullptr;
+      if (k0 < kfull) {
+        dw_nhwc_tile<scalar_t, S, Tn, true>(r, C, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu, L);
+      } else {
+        dw_nhwc_tile<scalar_t, S, Tn, false>(r, C, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu, ntail);
+      }
+    }
+  };
+  int64_t ow = 0;
+  for (; ow < lo; ++ow) edge(ow);
+  for (; ow + kTile <= hi; ow += kTile) tiles(std::integral_constant<int, kTile>{}, ow);
+  for (; ow < hi; ++ow) tiles(std::integral_constant<int, 1>{}, ow);
+  for (; ow < Wo; ++ow) edge(ow);
+}
+
+// NHWC: vectorised along the channels, parallel over (image, output row).
+// Channel multiplier 1 goes through dw_nhwc_row; a multiplier > 1 (output
+// channel k reads input channel k / m) takes a scalar loop.
 template <typename scalar_t>
 void dw_nhwc(const conv::DwParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -181,86 +398,46 @@ void dw_nhwc(const conv::DwParams& p) {
   const auto* b = static_cast<const scalar_t*>(p.b);
   auto* out = static_cast<scalar_t*>(p.out);
   const int64_t C = p.C, K = p.K, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, s = p.stride, pad = p.pad, m = p.mult;
-  // Weights transposed to (9, K) and the bias, in opmath.
-  std::vector<opmath_t> wt(9 * K), bias(K, opmath_t(0));
+  // Weights transposed to (9, K) and the bias, in opmath; L slack values so
+  // the last channel vector's full-width loads stay inside.
+  std::vector<opmath_t> wt(9 * K + L, opmath_t(0)), bias(K + L, opmath_t(0));
   for (int64_t k = 0; k < K; ++k) {
     for (int t = 0; t < 9; ++t) wt[t * K + k] = static_cast<opmath_t>(w[k * 9 + t]);
     if (b) bias[k] = static_cast<opmath_t>(b[k]);
   }
-  constexpr bool kSame = std::is_same_v<scalar_t, opmath_t>;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, Wo * K));
   at::parallel_for(0, p.N * Ho, grain, [&](int64_t begin, int64_t end) {
-    // Up to three input rows (converted to opmath for half types) and one
-    // output pixel's accumulators.
-    std::vector<opmath_t> rows(kSame ? 0 : 3 * W * C);
-    std::vector<opmath_t> acc(K + L);
+    std::vector<opmath_t> acc(m == 1 ? 0 : K);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = r / Ho, oh = r % Ho;
-      const opmath_t* xrow[3];
+      const scalar_t* rows[3];
       for (int kh = 0; kh < 3; ++kh) {
         const int64_t ih = oh * s - pad + kh;
-        if (ih < 0 || ih >= H) {
-          xrow[kh] = nullptr;
-          continue;
-        }
-        const scalar_t* src = x + ((n * H + ih) * W) * C;
-        if constexpr (kSame) {
-          xrow[kh] = src;
-        } else {
-          opmath_t* dst = rows.data() + kh * W * C;
-          for (int64_t i = 0; i < W * C; ++i) dst[i] = static_cast<opmath_t>(src[i]);
-          xrow[kh] = dst;
-        }
+        rows[kh] = (ih < 0 || ih >= H) ? nullptr : x + ((n * H + ih) * W) * C;
       }
       scalar_t* orow = out + ((n * Ho + oh) * Wo) * K;
-      int64_t k0 = 0;
       if (m == 1) {
-        // One channel vector at a time along the whole row: its 9 weight
-        // vectors stay in registers, each output is 9 FMAs from the bias.
-        for (; k0 + L <= K; k0 += L) {
-          V wv[9];
-          for (int t = 0; t < 9; ++t) wv[t] = V::loadu(wt.data() + t * K + k0);
-          const V bv = V::loadu(bias.data() + k0);
-          for (int64_t ow = 0; ow < Wo; ++ow) {
-            const int64_t iw0 = ow * s - pad;
-            V a = bv;
-            for (int kh = 0; kh < 3; ++kh) {
-              if (!xrow[kh]) continue;
-              const opmath_t* xr = xrow[kh] + k0;
-              for (int kw = 0; kw < 3; ++kw) {
-                const int64_t iw = iw0 + kw;
-                if (iw < 0 || iw >= W) continue;
-                a = at::vec::fmadd(wv[kh * 3 + kw], V::loadu(xr + iw * C), a);
-              }
-            }
-            if (p.relu) a = relu_vec(a);
-            scalar_t* o = orow + ow * K + k0;
-            if constexpr (kSame) {
-              a.store(o);
-            } else {
-              a.store(acc.data());
-              for (int64_t q = 0; q < L; ++q) o[q] = static_cast<scalar_t>(acc[q]);
-            }
-          }
+        if (s == 1) {
+          dw_nhwc_row<scalar_t, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu);
+        } else {
+          dw_nhwc_row<scalar_t, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu);
         }
+        continue;
       }
-      if (k0 < K) {
-        // Remaining channels (fewer than a vector, or a channel multiplier > 1).
-        for (int64_t ow = 0; ow < Wo; ++ow) {
-          std::copy(bias.begin() + k0, bias.end(), acc.begin() + k0);
-          for (int kh = 0; kh < 3; ++kh) {
-            if (!xrow[kh]) continue;
-            for (int kw = 0; kw < 3; ++kw) {
-              const int64_t iw = ow * s - pad + kw;
-              if (iw < 0 || iw >= W) continue;
-              const opmath_t* xi = xrow[kh] + iw * C;
-              const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
-              for (int64_t k = k0; k < K; ++k) acc[k] += wv[k] * xi[k / m];
-            }
+      for (int64_t ow = 0; ow < Wo; ++ow) {
+        std::copy(bias.begin(), bias.begin() + K, acc.begin());
+        for (int kh = 0; kh < 3; ++kh) {
+          if (!rows[kh]) continue;
+          for (int kw = 0; kw < 3; ++kw) {
+            const int64_t iw = ow * s - pad + kw;
+            if (iw < 0 || iw >= W) continue;
+            const scalar_t* xi = rows[kh] + iw * C;
+            const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
+            for (int64_t k = 0; k < K; ++k) acc[k] += wv[k] * static_cast<opmath_t>(xi[k / m]);
           }
-          scalar_t* o = orow + ow * K;
-          for (int64_t k = k0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
         }
+        scalar_t* o = orow + ow * K;
+        for (int64_t k = 0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
       }
     }
   });
