@@ -26,10 +26,19 @@
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace conv_detail {
 
+// NaN stays NaN, as in torch.relu. On x86, max(0, a) returns its second
+// operand when either is NaN: one instruction instead of compare + blend.
 template <typename T>
 inline at::vec::Vectorized<T> relu_vec(const at::vec::Vectorized<T>& a) {
   using V = at::vec::Vectorized<T>;
-  return V::blendv(a, V(T(0)), a < V(T(0)));  // NaN stays NaN, as torch.relu
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return V(_mm512_max_ps(_mm512_setzero_ps(), a));
+  if constexpr (std::is_same_v<T, double>) return V(_mm512_max_pd(_mm512_setzero_pd(), a));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return V(_mm256_max_ps(_mm256_setzero_ps(), a));
+  if constexpr (std::is_same_v<T, double>) return V(_mm256_max_pd(_mm256_setzero_pd(), a));
+#endif
+  return V::blendv(a, V(T(0)), a < V(T(0)));
 }
 
 template <typename T>
@@ -117,82 +126,113 @@ struct VecIo {
   }
 };
 
-// Rows [oh0, oh1) of output channel plane `op` from the staged opmath plane
-// (padded rows, each rowlen long; stride 2: even columns, then odd ones from E).
-// Stride 1 computes two rows per pass from four staged rows: each loaded vector
-// feeds both rows' accumulators (12 loads for 18 FMAs). `stage(r)` is called
-// before padded row r is first read (rows in increasing order).
-template <typename scalar_t, typename Stage>
-inline void dw_nchw_rows(const at::opmath_type<scalar_t>* plane, int64_t rowlen, int64_t E, int64_t s, int64_t Wo,
-                         int64_t oh0, int64_t oh1, const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv,
-                         at::opmath_type<scalar_t> bk, bool relu, scalar_t* op, Stage&& stage) {
+// Stride-1 taps of one staged row at column ow: x0 = R[ow..], x1 = R[ow+1..],
+// x2 = R[ow+2..]. With AVX-512 the rows are 64-byte aligned and the shifted
+// vectors are built from two aligned loads with valign (two unaligned loads
+// would each cross a cache line, and the loads, not the FMAs, would bound the
+// loop); elsewhere they are three unaligned loads.
+template <typename T>
+inline void taps3(const T* R, at::vec::Vectorized<T>& x0, at::vec::Vectorized<T>& x1, at::vec::Vectorized<T>& x2) {
+  using V = at::vec::Vectorized<T>;
+#if defined(CPU_CAPABILITY_AVX512)
+  x0 = V::loadu(R);
+  const V xn = V::loadu(R + V::size());
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512i a = _mm512_castps_si512(x0), b = _mm512_castps_si512(xn);
+    x1 = V(_mm512_castsi512_ps(_mm512_alignr_epi32(b, a, 1)));
+    x2 = V(_mm512_castsi512_ps(_mm512_alignr_epi32(b, a, 2)));
+  } else {
+    const __m512i a = _mm512_castpd_si512(x0), b = _mm512_castpd_si512(xn);
+    x1 = V(_mm512_castsi512_pd(_mm512_alignr_epi64(b, a, 1)));
+    x2 = V(_mm512_castsi512_pd(_mm512_alignr_epi64(b, a, 2)));
+  }
+#else
+  x0 = V::loadu(R);
+  x1 = V::loadu(R + 1);
+  x2 = V::loadu(R + 2);
+#endif
+}
+
+// R consecutive output rows of one channel from the staged plane: R0 is the
+// first padded input row they read. Each staged row is loaded once per output
+// vector and feeds every output row it belongs to (up to 3); the R
+// accumulators are independent FMA chains, so narrow planes (few vectors per
+// row) are not bound by the FMA latency. Stride 2 rows hold the even columns,
+// then the odd ones from E.
+template <int R, int S, typename scalar_t>
+inline void dw_nchw_pass(const at::opmath_type<scalar_t>* R0, int64_t rowlen, int64_t E, int64_t Wo,
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv, at::opmath_type<scalar_t> bk,
+                         bool relu, scalar_t* o0) {
   using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  for (int64_t oh = oh0; oh < oh1;) {
-    if (s == 1 && oh + 1 < oh1) {
-      stage(oh + 4);
-      const opmath_t* R0 = plane + oh * rowlen;
-      scalar_t* o0 = op + oh * Wo;
-      scalar_t* o1 = o0 + Wo;
-      for (int64_t ow = 0; ow < Wo; ow += L) {
-        V a0(bk), a1(bk);
-#pragma GCC unroll 4
-        for (int rr = 0; rr < 4; ++rr) {
-          const opmath_t* R = R0 + rr * rowlen + ow;
-          const V x0 = V::loadu(R), x1 = V::loadu(R + 1), x2 = V::loadu(R + 2);
-          if (rr < 3) {
-            a0 = at::vec::fmadd(wv[rr * 3], x0, a0);
-            a0 = at::vec::fmadd(wv[rr * 3 + 1], x1, a0);
-            a0 = at::vec::fmadd(wv[rr * 3 + 2], x2, a0);
-          }
-          if (rr > 0) {
-            a1 = at::vec::fmadd(wv[rr * 3 - 3], x0, a1);
-            a1 = at::vec::fmadd(wv[rr * 3 - 2], x1, a1);
-            a1 = at::vec::fmadd(wv[rr * 3 - 1], x2, a1);
-          }
-        }
-        if (relu) {
-          a0 = relu_vec(a0);
-          a1 = relu_vec(a1);
-        }
-        const int64_t rem = Wo - ow;
-        if (rem >= L) {
-          IO::store(o0 + ow, a0);
-          IO::store(o1 + ow, a1);
-        } else {
-          // Full-width loads stay inside the row's slack (rowlen >= Wp + L);
-          // only the rem valid values are stored.
-          IO::store(o0 + ow, a0, static_cast<int>(rem));
-          IO::store(o1 + ow, a1, static_cast<int>(rem));
-        }
-      }
-      oh += 2;
-      continue;
-    }
-    stage(oh * s + 3);
-    const opmath_t* taps[9];
-    for (int kh = 0; kh < 3; ++kh) {
-      const opmath_t* row = plane + (oh * s + kh) * rowlen;
-      taps[kh * 3 + 0] = row;
-      taps[kh * 3 + 1] = s == 1 ? row + 1 : row + E;
-      taps[kh * 3 + 2] = row + 1 + (s == 1);
-    }
-    scalar_t* orow = op + oh * Wo;
-    for (int64_t ow = 0; ow < Wo; ow += L) {
-      V a(bk);
-#pragma GCC unroll 9
-      for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
-      if (relu) a = relu_vec(a);
-      const int64_t rem = Wo - ow;
-      if (rem >= L) {
-        IO::store(orow + ow, a);
+  constexpr int NR = (R - 1) * S + 3;  // staged rows read
+  V w[9];
+  for (int t = 0; t < 9; ++t) w[t] = wv[t];
+  for (int64_t ow = 0; ow < Wo; ow += L) {
+    V acc[R];
+#pragma GCC unroll 8
+    for (int t = 0; t < R; ++t) acc[t] = V(bk);
+#pragma GCC unroll 16
+    for (int rr = 0; rr < NR; ++rr) {
+      const opmath_t* row = R0 + rr * rowlen + ow;
+      V x0, x1, x2;
+      if constexpr (S == 1) {
+        taps3(row, x0, x1, x2);
       } else {
-        IO::store(orow + ow, a, static_cast<int>(rem));
+        x0 = V::loadu(row);
+        x1 = V::loadu(row + E);
+        x2 = V::loadu(row + 1);
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < R; ++t) {
+        const int kh = rr - S * t;
+        if (kh < 0 || kh > 2) continue;
+        acc[t] = at::vec::fmadd(w[kh * 3], x0, acc[t]);
+        acc[t] = at::vec::fmadd(w[kh * 3 + 1], x1, acc[t]);
+        acc[t] = at::vec::fmadd(w[kh * 3 + 2], x2, acc[t]);
       }
     }
-    ++oh;
+    const int64_t rem = Wo - ow;
+#pragma GCC unroll 8
+    for (int t = 0; t < R; ++t) {
+      if (relu) acc[t] = relu_vec(acc[t]);
+      // Full-width loads stay inside the rows' slack (see rowlen); only the
+      // rem valid values of the last vector are stored.
+      if (rem >= L) {
+        IO::store(o0 + t * Wo + ow, acc[t]);
+      } else {
+        IO::store(o0 + t * Wo + ow, acc[t], static_cast<int>(rem));
+      }
+    }
+  }
+}
+
+// The staging is asked for kStageAhead rows more than a pass reads, so the
+// vector loads that straddle the staging's stores find them written to the
+// cache rather than still in the store buffer.
+constexpr int64_t kStageAhead = 4;
+
+// Rows [oh0, oh1) of output channel plane `op`: 4 rows per pass, then 2, then
+// 1. `stage(r)` stages the padded rows before r (in increasing order).
+template <int S, typename scalar_t, typename Stage>
+inline void dw_nchw_rows(const at::opmath_type<scalar_t>* plane, int64_t rowlen, int64_t E, int64_t Wo, int64_t oh0,
+                         int64_t oh1, const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv,
+                         at::opmath_type<scalar_t> bk, bool relu, scalar_t* op, Stage&& stage) {
+  int64_t oh = oh0;
+  for (; oh + 4 <= oh1; oh += 4) {
+    stage(oh * S + 3 * S + 3 + kStageAhead);
+    dw_nchw_pass<4, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+  }
+  if (oh + 2 <= oh1) {
+    stage(oh * S + S + 3 + kStageAhead);
+    dw_nchw_pass<2, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+    oh += 2;
+  }
+  if (oh < oh1) {
+    stage(oh * S + 3 + kStageAhead);
+    dw_nchw_pass<1, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
   }
 }
 
@@ -214,8 +254,12 @@ void dw_nchw(const conv::DwParams& p) {
   const int64_t H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, s = p.stride, pad = p.pad, m = p.mult;
   const int64_t Hp = H + 2 * pad, Wp = W + 2 * pad;
   const int64_t E = (Wp + 1) / 2;  // stride 2: even columns first, then odd ones
-  const int64_t rowlen = Wp + L;
+  // Rows are a whole number of vectors (64-byte aligned with AVX-512) with at
+  // least one vector of slack: every tap load of an output vector that has a
+  // valid lane stays inside its row.
+  const int64_t rowlen = (Wp + L - 1) / L * L + L;
   const int64_t planes = p.N * p.C;
+  constexpr int64_t kLine = 64 / sizeof(scalar_t), kPrefetch = 4096 / sizeof(scalar_t);
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t rows_per_item = Ho;
   if (planes < want) {
@@ -225,7 +269,8 @@ void dw_nchw(const conv::DwParams& p) {
   const int64_t chunks = (Ho + rows_per_item - 1) / rows_per_item;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rows_per_item * Wo * m));
   at::parallel_for(0, planes * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<opmath_t> plane(Hp * rowlen, opmath_t(0));
+    std::vector<opmath_t> plane_buf(Hp * rowlen + 64 / sizeof(opmath_t), opmath_t(0));
+    opmath_t* plane = reinterpret_cast<opmath_t*>((reinterpret_cast<uintptr_t>(plane_buf.data()) + 63) & ~uintptr_t(63));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nc = item / chunks, oh0 = (item % chunks) * rows_per_item;
       const int64_t oh1 = std::min(Ho, oh0 + rows_per_item);
@@ -236,13 +281,16 @@ void dw_nchw(const conv::DwParams& p) {
       const int64_t limit = (oh1 - 1) * s + 3;
       auto stage = [&](int64_t upto) {
         for (upto = std::min(upto, limit); next < upto; ++next) {
-          opmath_t* row = plane.data() + next * rowlen;
+          opmath_t* row = plane + next * rowlen;
           const int64_t ih = next - pad;
           if (ih < 0 || ih >= H) {
             std::fill(row, row + rowlen, opmath_t(0));
             continue;
           }
           const scalar_t* xr = xp + ih * W;
+          // The next planes follow in memory: ask for the bytes about
+          // kPrefetch ahead now, so they arrive while this row is used.
+          for (int64_t q = 0; q < W; q += kLine) __builtin_prefetch(xr + kPrefetch + q, 0, 3);
           if (s == 1) {
             opmath_t* d = row + pad;
             int64_t iw = 0;
@@ -263,8 +311,12 @@ void dw_nchw(const conv::DwParams& p) {
         V wv[9];
         for (int t = 0; t < 9; ++t) wv[t] = V(static_cast<opmath_t>(w[k * 9 + t]));
         const opmath_t bk = b ? static_cast<opmath_t>(b[k]) : opmath_t(0);
-        dw_nchw_rows<scalar_t>(plane.data(), rowlen, E, s, Wo, oh0, oh1, wv, bk, p.relu,
-                               out + (n * p.K + k) * Ho * Wo, stage);
+        scalar_t* op = out + (n * p.K + k) * Ho * Wo;
+        if (s == 1) {
+          dw_nchw_rows<1, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.relu, op, stage);
+        } else {
+          dw_nchw_rows<2, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.relu, op, stage);
+        }
       }
     }
   });
@@ -335,7 +387,8 @@ inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int6
 }
 
 // One NHWC output row, channel multiplier 1: pixels whose taps are all inside
-// the row go through dw_nhwc_tile, kTile at a time, every channel vector of a
+// the row go through dw_nhwc_tile, kTile at a time (then kTile / 2, then
+// one), every channel vector of a
 // tile before the next tile (the input and output are read and written in
 // order); the few pixels next to the padding go through dw_nhwc_edge.
 template <typename scalar_t, int S>
@@ -344,7 +397,11 @@ void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* w
                  bool relu) {
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   constexpr int64_t L = V::size();
-  constexpr int kTile = 4;
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr int kTile = 8;  // 8 accumulators, 3 weights, 10 inputs of 32 registers
+#else
+  constexpr int kTile = 4;  // 16 vector registers
+#endif
   const int64_t K = C;
   // Output columns [lo, hi) read input columns inside [0, W) only.
   const int64_t lo = std::min<int64_t>(Wo, (pad + S - 1) / S);
@@ -381,6 +438,10 @@ void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* w
   int64_t ow = 0;
   for (; ow < lo; ++ow) edge(ow);
   for (; ow + kTile <= hi; ow += kTile) tiles(std::integral_constant<int, kTile>{}, ow);
+  if (ow + kTile / 2 <= hi) {
+    tiles(std::integral_constant<int, kTile / 2>{}, ow);
+    ow += kTile / 2;
+  }
   for (; ow < hi; ++ow) tiles(std::integral_constant<int, 1>{}, ow);
   for (; ow < Wo; ++ow) edge(ow);
 }
