@@ -394,7 +394,7 @@ inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int6
 template <typename scalar_t, int S>
 void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* wt,
                  const at::opmath_type<scalar_t>* bias, scalar_t* orow, int64_t C, int64_t W, int64_t Wo, int64_t pad,
-                 bool relu) {
+                 bool relu, const scalar_t* next_rows, int64_t next_avail) {
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   constexpr int64_t L = V::size();
 #if defined(CPU_CAPABILITY_AVX512)
@@ -422,9 +422,20 @@ void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* w
       }
     }
   };
+  // The next output row reads S new input rows: fetch each tile's part of
+  // them into L2 now, while this row computes (the rows are far apart in
+  // memory, so the hardware prefetchers alone leave the loads waiting).
+  // next_rows: the first of them (next_avail of them exist), or nullptr.
   auto tiles = [&](auto tile_const, int64_t ow) {
     constexpr int Tn = decltype(tile_const)::value;
     const int64_t iw0 = ow * S - pad;
+    if (next_rows) {
+      for (int64_t q = 0; q < S && q < next_avail; ++q) {
+        const char* pf = reinterpret_cast<const char*>(next_rows + q * W * C + iw0 * C);
+        const int64_t bytes = static_cast<int64_t>(Tn * S * C * sizeof(scalar_t));
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(pf + o, 0, 2);
+      }
+    }
     const scalar_t* r[3];
     for (int64_t k0 = 0; k0 < K; k0 += L) {
       for (int kh = 0; kh < 3; ++kh) r[kh] = rows[kh] ? rows[kh] + iw0 * C + k0 : nullptr;
@@ -478,10 +489,13 @@ void dw_nhwc(const conv::DwParams& p) {
       }
       scalar_t* orow = out + ((n * Ho + oh) * Wo) * K;
       if (m == 1) {
+        const int64_t ih_next = oh * s - pad + 3;  // first input row the next output row adds
+        const int64_t next_avail = ih_next < 0 ? 0 : std::min<int64_t>(s, H - ih_next);
+        const scalar_t* next_rows = next_avail > 0 ? x + ((n * H + ih_next) * W) * C : nullptr;
         if (s == 1) {
-          dw_nhwc_row<scalar_t, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu);
+          dw_nhwc_row<scalar_t, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
         } else {
-          dw_nhwc_row<scalar_t, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu);
+          dw_nhwc_row<scalar_t, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
         }
         continue;
       }
