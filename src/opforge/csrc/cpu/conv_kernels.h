@@ -429,15 +429,14 @@ void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* w
   auto tiles = [&](auto tile_const, int64_t ow) {
     constexpr int Tn = decltype(tile_const)::value;
     const int64_t iw0 = ow * S - pad;
-    if (next_rows) {
-      for (int64_t q = 0; q < S && q < next_avail; ++q) {
-        const char* pf = reinterpret_cast<const char*>(next_rows + q * W * C + iw0 * C);
-        const int64_t bytes = static_cast<int64_t>(Tn * S * C * sizeof(scalar_t));
-        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(pf + o, 0, 2);
-      }
-    }
     const scalar_t* r[3];
     for (int64_t k0 = 0; k0 < K; k0 += L) {
+      // One channel vector of the tile's pixels in the next rows, spread
+      // over the channel loop so that few prefetches are in flight at once.
+      for (int64_t q = 0; q < next_avail; ++q) {
+        const scalar_t* pf = next_rows + q * W * C + iw0 * C + k0;
+        for (int i = 0; i < Tn * S; ++i) __builtin_prefetch(pf + i * C, 0, 3);
+      }
       for (int kh = 0; kh < 3; ++kh) r[kh] = rows[kh] ? rows[kh] + iw0 * C + k0 : nullptr;
       if (k0 < kfull) {
         dw_nhwc_tile<scalar_t, S, Tn, true>(r, C, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu, L);
