@@ -322,40 +322,58 @@ void dw_nchw(const conv::DwParams& p) {
   });
 }
 
-// NHWC, T output pixels along W for one vector of channels [k0, k0 + n):
-// r[kh] points at input row kh's first needed pixel (channel k0), nullptr for
-// a padding row; input pixels are C apart, output pixels K apart. Each loaded
-// input vector feeds up to 3 of the T accumulators.
-template <typename scalar_t, int S, int T, bool Full>
+// NHWC, R output rows x T output pixels for one vector of channels
+// [k0, k0 + n): r[i] points at staged input row i's first needed pixel
+// (channel k0), nullptr for a padding row; NR = (R - 1) * S + 3 input rows.
+// Input pixels are C apart, output pixels K apart, output rows orow_stride.
+// Each loaded input vector feeds up to 3 pixels of up to 3 rows: with R = 2
+// the loads per FMA halve against R = 1.
+template <typename scalar_t, int R, int S, int T, bool Full>
 inline void dw_nhwc_tile(const scalar_t* const* r, int64_t C, const at::opmath_type<scalar_t>* wk, int64_t K,
-                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, bool relu, int n) {
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, int64_t orow_stride,
+                         bool relu, int n) {
   using IO = VecIo<scalar_t>;
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   constexpr int NI = (T - 1) * S + 3;
-  V acc[T];
+  constexpr int NR = (R - 1) * S + 3;
+  V acc[R][T];
+  V wv[9];
+#pragma GCC unroll 9
+  for (int t = 0; t < 9; ++t) wv[t] = V::loadu(wk + t * K);
+#pragma GCC unroll 4
+  for (int q = 0; q < R; ++q) {
 #pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) acc[t] = bv;
-  for (int kh = 0; kh < 3; ++kh) {
-    if (!r[kh]) continue;
-    const V w0 = V::loadu(wk + (kh * 3) * K), w1 = V::loadu(wk + (kh * 3 + 1) * K),
-            w2 = V::loadu(wk + (kh * 3 + 2) * K);
+    for (int t = 0; t < T; ++t) acc[q][t] = bv;
+  }
+#pragma GCC unroll 5
+  for (int rr = 0; rr < NR; ++rr) {
+    if (!r[rr]) continue;
     V in[NI];
 #pragma GCC unroll 16
-    for (int i = 0; i < NI; ++i) in[i] = Full ? IO::load(r[kh] + i * C) : IO::load(r[kh] + i * C, n);
+    for (int i = 0; i < NI; ++i) in[i] = Full ? IO::load(r[rr] + i * C) : IO::load(r[rr] + i * C, n);
+#pragma GCC unroll 4
+    for (int q = 0; q < R; ++q) {
+      const int kh = rr - S * q;
+      if (kh < 0 || kh > 2) continue;
 #pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      acc[t] = at::vec::fmadd(w0, in[t * S], acc[t]);
-      acc[t] = at::vec::fmadd(w1, in[t * S + 1], acc[t]);
-      acc[t] = at::vec::fmadd(w2, in[t * S + 2], acc[t]);
+      for (int t = 0; t < T; ++t) {
+        acc[q][t] = at::vec::fmadd(wv[kh * 3], in[t * S], acc[q][t]);
+        acc[q][t] = at::vec::fmadd(wv[kh * 3 + 1], in[t * S + 1], acc[q][t]);
+        acc[q][t] = at::vec::fmadd(wv[kh * 3 + 2], in[t * S + 2], acc[q][t]);
+      }
     }
   }
+#pragma GCC unroll 4
+  for (int q = 0; q < R; ++q) {
 #pragma GCC unroll 8
-  for (int t = 0; t < T; ++t) {
-    if (relu) acc[t] = relu_vec(acc[t]);
-    if constexpr (Full) {
-      IO::store(o + t * K, acc[t]);
-    } else {
-      IO::store(o + t * K, acc[t], n);
+    for (int t = 0; t < T; ++t) {
+      V a = acc[q][t];
+      if (relu) a = relu_vec(a);
+      if constexpr (Full) {
+        IO::store(o + q * orow_stride + t * K, a);
+      } else {
+        IO::store(o + q * orow_stride + t * K, a, n);
+      }
     }
   }
 }
@@ -386,23 +404,32 @@ inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int6
   }
 }
 
-// One NHWC output row, channel multiplier 1: pixels whose taps are all inside
-// the row go through dw_nhwc_tile, kTile at a time (then kTile / 2, then
-// one), every channel vector of a
-// tile before the next tile (the input and output are read and written in
-// order); the few pixels next to the padding go through dw_nhwc_edge.
-template <typename scalar_t, int S>
-void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* wt,
-                 const at::opmath_type<scalar_t>* bias, scalar_t* orow, int64_t C, int64_t W, int64_t Wo, int64_t pad,
-                 bool relu, const scalar_t* next_rows, int64_t next_avail) {
+// R NHWC output rows (R = 2, or 1 for an odd last row), channel multiplier 1:
+// rows[i] is input row oh * S - pad + i of the image (NR of them, nullptr in
+// the padding). Pixels whose taps are all inside the row go through
+// dw_nhwc_tile, kTile at a time (then kTile / 2, then one), every channel
+// vector of a tile before the next tile (the input and output are read and
+// written in order); the few pixels next to the padding go through
+// dw_nhwc_edge. While a tile computes, the same columns of the input rows the
+// next pass adds (next_rows, next_avail of them) are prefetched, one channel
+// vector at a time so that few prefetches are in flight at once: the rows
+// are far apart in memory and the hardware prefetchers alone leave the loads
+// waiting.
+template <typename scalar_t, int R, int S>
+void dw_nhwc_rows(const scalar_t* const* rows, const at::opmath_type<scalar_t>* wt,
+                  const at::opmath_type<scalar_t>* bias, scalar_t* orow, int64_t C, int64_t W, int64_t Wo, int64_t pad,
+                  bool relu, const scalar_t* next_rows, int64_t next_avail) {
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   constexpr int64_t L = V::size();
+  constexpr int NR = (R - 1) * S + 3;
 #if defined(CPU_CAPABILITY_AVX512)
-  constexpr int kTile = 8;  // 8 accumulators, 3 weights, 10 inputs of 32 registers
+  // R * kTile accumulators, 9 weights and up to (kTile - 1) * S + 3 inputs
+  // of 32 registers.
+  constexpr int kTile = R == 1 ? 8 : 4;
 #else
-  constexpr int kTile = 4;  // 16 vector registers
+  constexpr int kTile = R == 1 ? 4 : 2;  // 16 vector registers
 #endif
-  const int64_t K = C;
+  const int64_t K = C, ostride = Wo * K;
   // Output columns [lo, hi) read input columns inside [0, W) only.
   const int64_t lo = std::min<int64_t>(Wo, (pad + S - 1) / S);
   const int64_t last = W - 3 + pad;  // largest ow * S with all taps inside
@@ -411,37 +438,34 @@ void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* w
   const int ntail = static_cast<int>(K - kfull);
   auto edge = [&](int64_t ow) {
     const int64_t iw0 = ow * S - pad;
-    const scalar_t* r[3];
-    for (int64_t k0 = 0; k0 < K; k0 += L) {
-      for (int kh = 0; kh < 3; ++kh) r[kh] = rows[kh] ? rows[kh] + k0 : nullptr;
-      if (k0 < kfull) {
-        dw_nhwc_edge<scalar_t, true>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu, L);
-      } else {
-        dw_nhwc_edge<scalar_t, false>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu,
-                                      ntail);
+    for (int q = 0; q < R; ++q) {
+      const scalar_t* r[3];
+      for (int64_t k0 = 0; k0 < K; k0 += L) {
+        for (int kh = 0; kh < 3; ++kh) r[kh] = rows[q * S + kh] ? rows[q * S + kh] + k0 : nullptr;
+        scalar_t* o = orow + q * ostride + ow * K + k0;
+        if (k0 < kfull) {
+          dw_nhwc_edge<scalar_t, true>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, relu, L);
+        } else {
+          dw_nhwc_edge<scalar_t, false>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, relu, ntail);
+        }
       }
     }
   };
-  // The next output row reads S new input rows: fetch each tile's part of
-  // them into L2 now, while this row computes (the rows are far apart in
-  // memory, so the hardware prefetchers alone leave the loads waiting).
-  // next_rows: the first of them (next_avail of them exist), or nullptr.
   auto tiles = [&](auto tile_const, int64_t ow) {
     constexpr int Tn = decltype(tile_const)::value;
     const int64_t iw0 = ow * S - pad;
-    const scalar_t* r[3];
+    const scalar_t* r[NR];
     for (int64_t k0 = 0; k0 < K; k0 += L) {
-      // One channel vector of the tile's pixels in the next rows, spread
-      // over the channel loop so that few prefetches are in flight at once.
       for (int64_t q = 0; q < next_avail; ++q) {
         const scalar_t* pf = next_rows + q * W * C + iw0 * C + k0;
         for (int i = 0; i < Tn * S; ++i) __builtin_prefetch(pf + i * C, 0, 3);
       }
-      for (int kh = 0; kh < 3; ++kh) r[kh] = rows[kh] ? rows[kh] + iw0 * C + k0 : nullptr;
+      for (int i = 0; i < NR; ++i) r[i] = rows[i] ? rows[i] + iw0 * C + k0 : nullptr;
+      scalar_t* o = orow + ow * K + k0;
       if (k0 < kfull) {
-        dw_nhwc_tile<scalar_t, S, Tn, true>(r, C, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu, L);
+        dw_nhwc_tile<scalar_t, R, S, Tn, true>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, relu, L);
       } else {
-        dw_nhwc_tile<scalar_t, S, Tn, false>(r, C, wt + k0, K, V::loadu(bias + k0), orow + ow * K + k0, relu, ntail);
+        dw_nhwc_tile<scalar_t, R, S, Tn, false>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, relu, ntail);
       }
     }
   };
@@ -456,9 +480,9 @@ void dw_nhwc_row(const scalar_t* const* rows, const at::opmath_type<scalar_t>* w
   for (; ow < Wo; ++ow) edge(ow);
 }
 
-// NHWC: vectorised along the channels, parallel over (image, output row).
-// Channel multiplier 1 goes through dw_nhwc_row; a multiplier > 1 (output
-// channel k reads input channel k / m) takes a scalar loop.
+// NHWC: vectorised along the channels, parallel over (image, pair of output
+// rows). Channel multiplier 1 goes through dw_nhwc_rows; a multiplier > 1
+// (output channel k reads input channel k / m) takes a scalar loop.
 template <typename scalar_t>
 void dw_nhwc(const conv::DwParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -476,42 +500,55 @@ void dw_nhwc(const conv::DwParams& p) {
     for (int t = 0; t < 9; ++t) wt[t * K + k] = static_cast<opmath_t>(w[k * 9 + t]);
     if (b) bias[k] = static_cast<opmath_t>(b[k]);
   }
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, Wo * K));
-  at::parallel_for(0, p.N * Ho, grain, [&](int64_t begin, int64_t end) {
+  const int64_t pairs = (Ho + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, 2 * Wo * K));
+  at::parallel_for(0, p.N * pairs, grain, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> acc(m == 1 ? 0 : K);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = r / Ho, oh = r % Ho;
-      const scalar_t* rows[3];
-      for (int kh = 0; kh < 3; ++kh) {
-        const int64_t ih = oh * s - pad + kh;
-        rows[kh] = (ih < 0 || ih >= H) ? nullptr : x + ((n * H + ih) * W) * C;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / pairs, oh0 = (item % pairs) * 2;
+      const int R = oh0 + 1 < Ho ? 2 : 1;
+      const scalar_t* rows[5];
+      for (int i = 0; i < 5; ++i) {
+        const int64_t ih = oh0 * s - pad + i;
+        rows[i] = (ih < 0 || ih >= H) ? nullptr : x + ((n * H + ih) * W) * C;
       }
-      scalar_t* orow = out + ((n * Ho + oh) * Wo) * K;
+      scalar_t* orow = out + ((n * Ho + oh0) * Wo) * K;
       if (m == 1) {
-        const int64_t ih_next = oh * s - pad + 3;  // first input row the next output row adds
-        const int64_t next_avail = ih_next < 0 ? 0 : std::min<int64_t>(s, H - ih_next);
+        const int64_t ih_next = oh0 * s - pad + (R - 1) * s + 3;  // first input row the next pass adds
+        const int64_t next_avail = ih_next < 0 ? 0 : std::min<int64_t>(R * s, H - ih_next);
         const scalar_t* next_rows = next_avail > 0 ? x + ((n * H + ih_next) * W) * C : nullptr;
         if (s == 1) {
-          dw_nhwc_row<scalar_t, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
+          if (R == 2) {
+            dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
+          } else {
+            dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
+          }
         } else {
-          dw_nhwc_row<scalar_t, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
+          if (R == 2) {
+            dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
+          } else {
+            dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
+          }
         }
         continue;
       }
-      for (int64_t ow = 0; ow < Wo; ++ow) {
-        std::copy(bias.begin(), bias.begin() + K, acc.begin());
-        for (int kh = 0; kh < 3; ++kh) {
-          if (!rows[kh]) continue;
-          for (int kw = 0; kw < 3; ++kw) {
-            const int64_t iw = ow * s - pad + kw;
-            if (iw < 0 || iw >= W) continue;
-            const scalar_t* xi = rows[kh] + iw * C;
-            const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
-            for (int64_t k = 0; k < K; ++k) acc[k] += wv[k] * static_cast<opmath_t>(xi[k / m]);
+      for (int q = 0; q < R; ++q) {
+        for (int64_t ow = 0; ow < Wo; ++ow) {
+          std::copy(bias.begin(), bias.begin() + K, acc.begin());
+          for (int kh = 0; kh < 3; ++kh) {
+            const scalar_t* xr = rows[q * s + kh];
+            if (!xr) continue;
+            for (int kw = 0; kw < 3; ++kw) {
+              const int64_t iw = ow * s - pad + kw;
+              if (iw < 0 || iw >= W) continue;
+              const scalar_t* xi = xr + iw * C;
+              const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
+              for (int64_t k = 0; k < K; ++k) acc[k] += wv[k] * static_cast<opmath_t>(xi[k / m]);
+            }
           }
+          scalar_t* o = orow + q * Wo * K + ow * K;
+          for (int64_t k = 0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
         }
-        scalar_t* o = orow + ow * K;
-        for (int64_t k = 0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
       }
     }
   });
