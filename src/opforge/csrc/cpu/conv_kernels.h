@@ -1,14 +1,15 @@
 // Loops of the conv family, compiled once per ISA by conv_cpu_{default,avx2,avx512}.cpp
 // (which include cpu_isa_begin.h first); cpu/conv.cpp picks the ISA at run time.
 //
-// - depthwise forward, NCHW: per (image, input channel) the padded plane is
-//   converted once to opmath (stride 2: each row split into even and odd
-//   columns so every tap is a contiguous vector load), then each output row
-//   is 9 vector FMAs along W starting from the bias (float/double stride 1:
-//   two rows per pass, sharing loads), ReLU and one rounding on the store.
-//   Channel multipliers reuse the plane.
-// - depthwise forward, NHWC: per output row and channel vector, vectorised
-//   along the channels with the 9 weight vectors in registers.
+// - depthwise forward, NCHW: per (image, input channel) the input rows are
+//   converted to opmath into a zero-padded, 64-byte aligned plane a few rows
+//   before their use (stride 2: each row split into even and odd columns so
+//   every tap is a contiguous vector load), then 4, 2 or 1 output rows per
+//   pass get their 9 vector FMAs along W starting from the bias, ReLU and one
+//   rounding on the store. Channel multipliers reuse the plane.
+// - depthwise forward, NHWC: two output rows per pass, tiles of pixels per
+//   channel vector with the 9 weight vectors in registers; edge pixels and
+//   the channel tail take their own (checked / masked) loops.
 // - bias_act: the dense path's epilogue, run on each GEMM result tile while
 //   it is in cache (bias per row or per column, optional ReLU, one rounding).
 #include <ATen/OpMathType.h>
