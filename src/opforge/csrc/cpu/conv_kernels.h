@@ -237,6 +237,38 @@ inline void dw_nchw_rows(const at::opmath_type<scalar_t>* plane, int64_t rowlen,
   }
 }
 
+// Stride 2 staging: the padded row t[0, Wp) to row[0, E) (even columns) and
+// row[E, Wp) (odd ones). t must hold zeros (or anything) up to 2 * E + 2 * L
+// and row must have L values of slack past Wp: whole vectors are moved, the
+// even part first so that the odd part overwrites its spill past E.
+template <typename T>
+inline void split_even_odd(const T* t, T* row, int64_t Wp, int64_t E) {
+#if defined(CPU_CAPABILITY_AVX512)
+  using V = at::vec::Vectorized<T>;
+  constexpr int64_t L = V::size();
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t j = 0; j < E; j += L)
+      _mm512_storeu_ps(row + j, _mm512_permutex2var_ps(_mm512_loadu_ps(t + 2 * j), ie, _mm512_loadu_ps(t + 2 * j + L)));
+    for (int64_t j = 0; j < Wp / 2; j += L)
+      _mm512_storeu_ps(row + E + j,
+                       _mm512_permutex2var_ps(_mm512_loadu_ps(t + 2 * j), io, _mm512_loadu_ps(t + 2 * j + L)));
+    return;
+  } else {
+    const __m512i ie = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i io = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t j = 0; j < E; j += L)
+      _mm512_storeu_pd(row + j, _mm512_permutex2var_pd(_mm512_loadu_pd(t + 2 * j), ie, _mm512_loadu_pd(t + 2 * j + L)));
+    for (int64_t j = 0; j < Wp / 2; j += L)
+      _mm512_storeu_pd(row + E + j,
+                       _mm512_permutex2var_pd(_mm512_loadu_pd(t + 2 * j), io, _mm512_loadu_pd(t + 2 * j + L)));
+    return;
+  }
+#endif
+  for (int64_t q = 0; q < Wp; ++q) row[(q & 1) ? E + (q >> 1) : (q >> 1)] = t[q];
+}
+
 // NCHW: work items are (image, channel, range of output rows); a plane is
 // split into row ranges only when there are too few planes for the threads.
 // The input rows an item needs are converted to opmath and zero padded into a
@@ -271,6 +303,8 @@ void dw_nchw(const conv::DwParams& p) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rows_per_item * Wo * m));
   at::parallel_for(0, planes * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> plane_buf(Hp * rowlen + 64 / sizeof(opmath_t), opmath_t(0));
+    std::vector<opmath_t> split_buf(s == 2 ? 2 * rowlen : 0, opmath_t(0));
+    opmath_t* split = split_buf.data();
     opmath_t* plane = reinterpret_cast<opmath_t*>((reinterpret_cast<uintptr_t>(plane_buf.data()) + 63) & ~uintptr_t(63));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nc = item / chunks, oh0 = (item % chunks) * rows_per_item;
@@ -292,19 +326,15 @@ void dw_nchw(const conv::DwParams& p) {
           // The next planes follow in memory: ask for the bytes about
           // kPrefetch ahead now, so they arrive while this row is used.
           for (int64_t q = 0; q < W; q += kLine) __builtin_prefetch(xr + kPrefetch + q, 0, 3);
-          if (s == 1) {
-            opmath_t* d = row + pad;
-            int64_t iw = 0;
-            for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
-            if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
-            if (pad) row[0] = row[Wp - 1] = opmath_t(0);
-          } else {
-            for (int64_t q = 0; q < Wp; ++q) {
-              const int64_t iw = q - pad;
-              const opmath_t v = (iw >= 0 && iw < W) ? static_cast<opmath_t>(xr[iw]) : opmath_t(0);
-              row[(q & 1) ? E + (q >> 1) : (q >> 1)] = v;
-            }
-          }
+          // Stride 1 stages the padded row in place; stride 2 stages it into
+          // `split` first, then splits its even and odd columns.
+          opmath_t* t = s == 1 ? row : split;
+          opmath_t* d = t + pad;
+          int64_t iw = 0;
+          for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
+          if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+          if (pad) t[0] = t[Wp - 1] = opmath_t(0);
+          if (s == 2) split_even_odd(split, row, Wp, E);
         }
       };
       for (int64_t j = 0; j < m; ++j) {
