@@ -130,6 +130,18 @@ def test_depthwise_loop_paths(shape, stride, padding, dtype, channels_last, devi
     check(x, rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device), stride, padding, c, True)
 
 
+@pytest.mark.parametrize("stride,padding", CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_depthwise_multiplier3_channel_tail(stride, padding, dtype, channels_last, device):
+    # Channel multiplier 3: K = 21 output channels (a vector plus a masked tail
+    # on the CPU) read from 7 input channels, rows wide enough for whole tiles.
+    x = rand((2, 7, 9, 37), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    check(x, rand((21, 1, 3, 3), dtype, device), rand((21,), dtype, device), stride, padding, 7, True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_dense_larger(dtype, channels_last, device):

@@ -512,8 +512,8 @@ void dw_nhwc_rows(const scalar_t* const* rows, const at::opmath_type<scalar_t>* 
 }
 
 // NHWC: vectorised along the channels, parallel over (image, pair of output
-// rows). Channel multiplier 1 goes through dw_nhwc_rows; a multiplier > 1
-// (output channel k reads input channel k / m) takes a scalar loop.
+// rows), through dw_nhwc_rows; a channel multiplier > 1 (output channel k
+// reads input channel k / m) runs it on input rows with repeated channels.
 template <typename scalar_t>
 void dw_nhwc(const conv::DwParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -534,7 +534,10 @@ void dw_nhwc(const conv::DwParams& p) {
   const int64_t pairs = (Ho + 1) / 2;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, 2 * Wo * K));
   at::parallel_for(0, p.N * pairs, grain, [&](int64_t begin, int64_t end) {
-    std::vector<opmath_t> acc(m == 1 ? 0 : K);
+    // Channel multiplier m > 1: the pass's input rows with every channel
+    // repeated m times (channel k of a repeated row is input channel k / m),
+    // so the same loops as for m = 1 run on them with C = K.
+    std::vector<scalar_t> rep(m == 1 ? 0 : 5 * W * K);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / pairs, oh0 = (item % pairs) * 2;
       const int R = oh0 + 1 < Ho ? 2 : 1;
@@ -544,41 +547,36 @@ void dw_nhwc(const conv::DwParams& p) {
         rows[i] = (ih < 0 || ih >= H) ? nullptr : x + ((n * H + ih) * W) * C;
       }
       scalar_t* orow = out + ((n * Ho + oh0) * Wo) * K;
-      if (m == 1) {
-        const int64_t ih_next = oh0 * s - pad + (R - 1) * s + 3;  // first input row the next pass adds
-        const int64_t next_avail = ih_next < 0 ? 0 : std::min<int64_t>(R * s, H - ih_next);
-        const scalar_t* next_rows = next_avail > 0 ? x + ((n * H + ih_next) * W) * C : nullptr;
-        if (s == 1) {
-          if (R == 2) {
-            dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
-          } else {
-            dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
+      const int64_t ih_next = oh0 * s - pad + (R - 1) * s + 3;  // first input row the next pass adds
+      int64_t next_avail = ih_next < 0 ? 0 : std::min<int64_t>(R * s, H - ih_next);
+      const scalar_t* next_rows = next_avail > 0 ? x + ((n * H + ih_next) * W) * C : nullptr;
+      int64_t Ceff = C;
+      if (m > 1) {
+        const int nr = (R - 1) * static_cast<int>(s) + 3;
+        for (int i = 0; i < nr; ++i) {
+          if (!rows[i]) continue;
+          scalar_t* d = rep.data() + i * W * K;
+          for (int64_t iw = 0; iw < W; ++iw) {
+            const scalar_t* src = rows[i] + iw * C;
+            for (int64_t c = 0; c < C; ++c) std::fill(d + iw * K + c * m, d + iw * K + (c + 1) * m, src[c]);
           }
-        } else {
-          if (R == 2) {
-            dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
-          } else {
-            dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, C, W, Wo, pad, p.relu, next_rows, next_avail);
-          }
+          rows[i] = d;
         }
-        continue;
+        Ceff = K;
+        next_rows = nullptr;
+        next_avail = 0;
       }
-      for (int q = 0; q < R; ++q) {
-        for (int64_t ow = 0; ow < Wo; ++ow) {
-          std::copy(bias.begin(), bias.begin() + K, acc.begin());
-          for (int kh = 0; kh < 3; ++kh) {
-            const scalar_t* xr = rows[q * s + kh];
-            if (!xr) continue;
-            for (int kw = 0; kw < 3; ++kw) {
-              const int64_t iw = ow * s - pad + kw;
-              if (iw < 0 || iw >= W) continue;
-              const scalar_t* xi = xr + iw * C;
-              const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
-              for (int64_t k = 0; k < K; ++k) acc[k] += wv[k] * static_cast<opmath_t>(xi[k / m]);
-            }
-          }
-          scalar_t* o = orow + q * Wo * K + ow * K;
-          for (int64_t k = 0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
+      if (s == 1) {
+        if (R == 2) {
+          dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+        } else {
+          dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+        }
+      } else {
+        if (R == 2) {
+          dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+        } else {
+          dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
         }
       }
     }
