@@ -113,6 +113,35 @@ def test_depthwise_larger(dtype, shape, stride, channels_last, device):
     check(x, rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device), stride, 1, c, True)
 
 
+# Depthwise loop paths: channel counts that are not a multiple of the vector
+# width (NHWC masked tails: 24, 40, 17, 3), rows narrower than one pixel tile
+# or vector (W 3..9), output heights that leave 1, 2 or 3 rows after the
+# 4-row passes (NCHW), rows wider than several vectors with a tail (70), and
+# single planes that are split into row ranges across threads (C=1).
+@pytest.mark.parametrize("shape", [(1, 24, 13, 21), (2, 40, 7, 3), (1, 1, 37, 70), (1, 17, 6, 9), (2, 3, 34, 19)])
+@pytest.mark.parametrize("stride,padding", CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_depthwise_loop_paths(shape, stride, padding, dtype, channels_last, device):
+    x = rand(shape, dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    c = shape[1]
+    check(x, rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device), stride, padding, c, True)
+
+
+@pytest.mark.parametrize("stride,padding", CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_depthwise_multiplier3_channel_tail(stride, padding, dtype, channels_last, device):
+    # Channel multiplier 3: K = 21 output channels (a vector plus a masked tail
+    # on the CPU) read from 7 input channels, rows wide enough for whole tiles.
+    x = rand((2, 7, 9, 37), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    check(x, rand((21, 1, 3, 3), dtype, device), rand((21,), dtype, device), stride, padding, 7, True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_dense_larger(dtype, channels_last, device):

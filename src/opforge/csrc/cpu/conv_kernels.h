@@ -1,14 +1,15 @@
 // Loops of the conv family, compiled once per ISA by conv_cpu_{default,avx2,avx512}.cpp
 // (which include cpu_isa_begin.h first); cpu/conv.cpp picks the ISA at run time.
 //
-// - depthwise forward, NCHW: per (image, input channel) the padded plane is
-//   converted once to opmath (stride 2: each row split into even and odd
-//   columns so every tap is a contiguous vector load), then each output row
-//   is 9 vector FMAs along W starting from the bias (float/double stride 1:
-//   two rows per pass, sharing loads), ReLU and one rounding on the store.
-//   Channel multipliers reuse the plane.
-// - depthwise forward, NHWC: per output row and channel vector, vectorised
-//   along the channels with the 9 weight vectors in registers.
+// - depthwise forward, NCHW: per (image, input channel) the input rows are
+//   converted to opmath into a zero-padded, 64-byte aligned plane a few rows
+//   before their use (stride 2: each row split into even and odd columns so
+//   every tap is a contiguous vector load), then 4, 2 or 1 output rows per
+//   pass get their 9 vector FMAs along W starting from the bias, ReLU and one
+//   rounding on the store. Channel multipliers reuse the plane.
+// - depthwise forward, NHWC: two output rows per pass, tiles of pixels per
+//   channel vector with the 9 weight vectors in registers; edge pixels and
+//   the channel tail take their own (checked / masked) loops.
 // - bias_act: the dense path's epilogue, run on each GEMM result tile while
 //   it is in cache (bias per row or per column, optional ReLU, one rounding).
 #include <ATen/OpMathType.h>
@@ -26,10 +27,19 @@
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace conv_detail {
 
+// NaN stays NaN, as in torch.relu. On x86, max(0, a) returns its second
+// operand when either is NaN: one instruction instead of compare + blend.
 template <typename T>
 inline at::vec::Vectorized<T> relu_vec(const at::vec::Vectorized<T>& a) {
   using V = at::vec::Vectorized<T>;
-  return V::blendv(a, V(T(0)), a < V(T(0)));  // NaN stays NaN, as torch.relu
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return V(_mm512_max_ps(_mm512_setzero_ps(), a));
+  if constexpr (std::is_same_v<T, double>) return V(_mm512_max_pd(_mm512_setzero_pd(), a));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return V(_mm256_max_ps(_mm256_setzero_ps(), a));
+  if constexpr (std::is_same_v<T, double>) return V(_mm256_max_pd(_mm256_setzero_pd(), a));
+#endif
+  return V::blendv(a, V(T(0)), a < V(T(0)));
 }
 
 template <typename T>
@@ -37,8 +47,236 @@ inline T relu_scalar(T a) {
   return a < T(0) ? T(0) : a;
 }
 
+// One vector of opmath values from / to scalar_t memory. The counted forms
+// touch only the first n elements (the other lanes load as 0); on AVX-512 they
+// are masked accesses, elsewhere they go through a small buffer.
+template <typename scalar_t>
+struct VecIo {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  static constexpr int L = V::size();
+  static constexpr bool kSame = std::is_same_v<scalar_t, opmath_t>;
+  static constexpr bool kBf16 = std::is_same_v<scalar_t, c10::BFloat16>;
+
+  static inline V load(const scalar_t* p) {
+    if constexpr (kSame) {
+      return V::loadu(p);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      __m512 o;
+      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      return V(o);
+#elif defined(CPU_CAPABILITY_AVX2)
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      __m256 o;
+      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      return V(o);
+#else
+      return load(p, L);
+#endif
+    }
+  }
+
+  static inline V load(const scalar_t* p, int n) {
+    if constexpr (kSame) {
+      return V::loadu(p, n);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p);
+      __m512 o;
+      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      return V(o);
+#else
+      opmath_t buf[L] = {};
+      for (int i = 0; i < n; ++i) buf[i] = static_cast<opmath_t>(p[i]);
+      return V::loadu(buf);
+#endif
+    }
+  }
+
+  static inline void store(scalar_t* p, const V& v) {
+    if constexpr (kSame) {
+      v.store(p);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = kBf16 ? at::vec::cvtfp32_bf16(__m512(v)) : at::vec::cvtfp32_fp16(__m512(v));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+#elif defined(CPU_CAPABILITY_AVX2)
+      const __m128i h = kBf16 ? at::vec::cvtfp32_bf16(__m256(v)) : at::vec::cvtfp32_fp16(__m256(v));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+#else
+      store(p, v, L);
+#endif
+    }
+  }
+
+  static inline void store(scalar_t* p, const V& v, int n) {
+    if constexpr (kSame) {
+      v.store(p, n);
+    } else {
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m256i h = kBf16 ? at::vec::cvtfp32_bf16(__m512(v)) : at::vec::cvtfp32_fp16(__m512(v));
+      _mm256_mask_storeu_epi16(p, static_cast<__mmask16>((1u << n) - 1u), h);
+#else
+      opmath_t buf[L];
+      v.store(buf);
+      for (int i = 0; i < n; ++i) p[i] = static_cast<scalar_t>(buf[i]);
+#endif
+    }
+  }
+};
+
+// Stride-1 taps of one staged row at column ow: x0 = R[ow..], x1 = R[ow+1..],
+// x2 = R[ow+2..]. With AVX-512 the rows are 64-byte aligned and the shifted
+// vectors are built from two aligned loads with valign (two unaligned loads
+// would each cross a cache line, and the loads, not the FMAs, would bound the
+// loop); elsewhere they are three unaligned loads.
+template <typename T>
+inline void taps3(const T* R, at::vec::Vectorized<T>& x0, at::vec::Vectorized<T>& x1, at::vec::Vectorized<T>& x2) {
+  using V = at::vec::Vectorized<T>;
+#if defined(CPU_CAPABILITY_AVX512)
+  x0 = V::loadu(R);
+  const V xn = V::loadu(R + V::size());
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512i a = _mm512_castps_si512(x0), b = _mm512_castps_si512(xn);
+    x1 = V(_mm512_castsi512_ps(_mm512_alignr_epi32(b, a, 1)));
+    x2 = V(_mm512_castsi512_ps(_mm512_alignr_epi32(b, a, 2)));
+  } else {
+    const __m512i a = _mm512_castpd_si512(x0), b = _mm512_castpd_si512(xn);
+    x1 = V(_mm512_castsi512_pd(_mm512_alignr_epi64(b, a, 1)));
+    x2 = V(_mm512_castsi512_pd(_mm512_alignr_epi64(b, a, 2)));
+  }
+#else
+  x0 = V::loadu(R);
+  x1 = V::loadu(R + 1);
+  x2 = V::loadu(R + 2);
+#endif
+}
+
+// R consecutive output rows of one channel from the staged plane: R0 is the
+// first padded input row they read. Each staged row is loaded once per output
+// vector and feeds every output row it belongs to (up to 3); the R
+// accumulators are independent FMA chains, so narrow planes (few vectors per
+// row) are not bound by the FMA latency. Stride 2 rows hold the even columns,
+// then the odd ones from E.
+template <int R, int S, typename scalar_t>
+inline void dw_nchw_pass(const at::opmath_type<scalar_t>* R0, int64_t rowlen, int64_t E, int64_t Wo,
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv, at::opmath_type<scalar_t> bk,
+                         bool relu, scalar_t* o0) {
+  using IO = VecIo<scalar_t>;
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t L = V::size();
+  constexpr int NR = (R - 1) * S + 3;  // staged rows read
+  V w[9];
+  for (int t = 0; t < 9; ++t) w[t] = wv[t];
+  for (int64_t ow = 0; ow < Wo; ow += L) {
+    V acc[R];
+#pragma GCC unroll 8
+    for (int t = 0; t < R; ++t) acc[t] = V(bk);
+#pragma GCC unroll 16
+    for (int rr = 0; rr < NR; ++rr) {
+      const opmath_t* row = R0 + rr * rowlen + ow;
+      V x0, x1, x2;
+      if constexpr (S == 1) {
+        taps3(row, x0, x1, x2);
+      } else {
+        x0 = V::loadu(row);
+        x1 = V::loadu(row + E);
+        x2 = V::loadu(row + 1);
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < R; ++t) {
+        const int kh = rr - S * t;
+        if (kh < 0 || kh > 2) continue;
+        acc[t] = at::vec::fmadd(w[kh * 3], x0, acc[t]);
+        acc[t] = at::vec::fmadd(w[kh * 3 + 1], x1, acc[t]);
+        acc[t] = at::vec::fmadd(w[kh * 3 + 2], x2, acc[t]);
+      }
+    }
+    const int64_t rem = Wo - ow;
+#pragma GCC unroll 8
+    for (int t = 0; t < R; ++t) {
+      if (relu) acc[t] = relu_vec(acc[t]);
+      // Full-width loads stay inside the rows' slack (see rowlen); only the
+      // rem valid values of the last vector are stored.
+      if (rem >= L) {
+        IO::store(o0 + t * Wo + ow, acc[t]);
+      } else {
+        IO::store(o0 + t * Wo + ow, acc[t], static_cast<int>(rem));
+      }
+    }
+  }
+}
+
+// The staging is asked for kStageAhead rows more than a pass reads, so the
+// vector loads that straddle the staging's stores find them written to the
+// cache rather than still in the store buffer.
+constexpr int64_t kStageAhead = 4;
+
+// Rows [oh0, oh1) of output channel plane `op`: 4 rows per pass, then 2, then
+// 1. `stage(r)` stages the padded rows before r (in increasing order).
+template <int S, typename scalar_t, typename Stage>
+inline void dw_nchw_rows(const at::opmath_type<scalar_t>* plane, int64_t rowlen, int64_t E, int64_t Wo, int64_t oh0,
+                         int64_t oh1, const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv,
+                         at::opmath_type<scalar_t> bk, bool relu, scalar_t* op, Stage&& stage) {
+  int64_t oh = oh0;
+  for (; oh + 4 <= oh1; oh += 4) {
+    stage(oh * S + 3 * S + 3 + kStageAhead);
+    dw_nchw_pass<4, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+  }
+  if (oh + 2 <= oh1) {
+    stage(oh * S + S + 3 + kStageAhead);
+    dw_nchw_pass<2, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+    oh += 2;
+  }
+  if (oh < oh1) {
+    stage(oh * S + 3 + kStageAhead);
+    dw_nchw_pass<1, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+  }
+}
+
+// Stride 2 staging: the padded row t[0, Wp) to row[0, E) (even columns) and
+// row[E, Wp) (odd ones). t must hold zeros (or anything) up to 2 * E + 2 * L
+// and row must have L values of slack past Wp: whole vectors are moved, the
+// even part first so that the odd part overwrites its spill past E.
+template <typename T>
+inline void split_even_odd(const T* t, T* row, int64_t Wp, int64_t E) {
+#if defined(CPU_CAPABILITY_AVX512)
+  using V = at::vec::Vectorized<T>;
+  constexpr int64_t L = V::size();
+  if constexpr (std::is_same_v<T, float>) {
+    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int64_t j = 0; j < E; j += L)
+      _mm512_storeu_ps(row + j, _mm512_permutex2var_ps(_mm512_loadu_ps(t + 2 * j), ie, _mm512_loadu_ps(t + 2 * j + L)));
+    for (int64_t j = 0; j < Wp / 2; j += L)
+      _mm512_storeu_ps(row + E + j,
+                       _mm512_permutex2var_ps(_mm512_loadu_ps(t + 2 * j), io, _mm512_loadu_ps(t + 2 * j + L)));
+    return;
+  } else {
+    const __m512i ie = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m512i io = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t j = 0; j < E; j += L)
+      _mm512_storeu_pd(row + j, _mm512_permutex2var_pd(_mm512_loadu_pd(t + 2 * j), ie, _mm512_loadu_pd(t + 2 * j + L)));
+    for (int64_t j = 0; j < Wp / 2; j += L)
+      _mm512_storeu_pd(row + E + j,
+                       _mm512_permutex2var_pd(_mm512_loadu_pd(t + 2 * j), io, _mm512_loadu_pd(t + 2 * j + L)));
+    return;
+  }
+#endif
+  for (int64_t q = 0; q < Wp; ++q) row[(q & 1) ? E + (q >> 1) : (q >> 1)] = t[q];
+}
+
+// NCHW: work items are (image, channel, range of output rows); a plane is
+// split into row ranges only when there are too few planes for the threads.
+// The input rows an item needs are converted to opmath and zero padded into a
+// plane buffer just before their first use, so reading the input (from
+// memory) and the FMAs interleave instead of running as separate phases.
 template <typename scalar_t>
 void dw_nchw(const conv::DwParams& p) {
+  using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
@@ -49,128 +287,233 @@ void dw_nchw(const conv::DwParams& p) {
   const int64_t H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, s = p.stride, pad = p.pad, m = p.mult;
   const int64_t Hp = H + 2 * pad, Wp = W + 2 * pad;
   const int64_t E = (Wp + 1) / 2;  // stride 2: even columns first, then odd ones
-  const int64_t rowlen = Wp + L;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H * W * m));
-  at::parallel_for(0, p.N * p.C, grain, [&](int64_t begin, int64_t end) {
-    std::vector<opmath_t> plane(Hp * rowlen, opmath_t(0));
-    std::vector<opmath_t> acc(Wo + L);
-    for (int64_t nc = begin; nc < end; ++nc) {
+  // Rows are a whole number of vectors (64-byte aligned with AVX-512) with at
+  // least one vector of slack: every tap load of an output vector that has a
+  // valid lane stays inside its row.
+  const int64_t rowlen = (Wp + L - 1) / L * L + L;
+  const int64_t planes = p.N * p.C;
+  constexpr int64_t kLine = 64 / sizeof(scalar_t), kPrefetch = 4096 / sizeof(scalar_t);
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  int64_t rows_per_item = Ho;
+  if (planes < want) {
+    const int64_t chunks = std::min<int64_t>(Ho, (want + planes - 1) / planes);
+    rows_per_item = (Ho + chunks - 1) / chunks;
+  }
+  const int64_t chunks = (Ho + rows_per_item - 1) / rows_per_item;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rows_per_item * Wo * m));
+  at::parallel_for(0, planes * chunks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<opmath_t> plane_buf(Hp * rowlen + 64 / sizeof(opmath_t), opmath_t(0));
+    std::vector<opmath_t> split_buf(s == 2 ? 2 * rowlen : 0, opmath_t(0));
+    opmath_t* split = split_buf.data();
+    opmath_t* plane = reinterpret_cast<opmath_t*>((reinterpret_cast<uintptr_t>(plane_buf.data()) + 63) & ~uintptr_t(63));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t nc = item / chunks, oh0 = (item % chunks) * rows_per_item;
+      const int64_t oh1 = std::min(Ho, oh0 + rows_per_item);
       const int64_t n = nc / p.C, c = nc % p.C;
       const scalar_t* xp = x + nc * H * W;
-      for (int64_t r = 0; r < Hp; ++r) {
-        opmath_t* row = plane.data() + r * rowlen;
-        const int64_t ih = r - pad;
-        if (ih < 0 || ih >= H) {
-          std::fill(row, row + rowlen, opmath_t(0));
-          continue;
-        }
-        const scalar_t* xr = xp + ih * W;
-        if (s == 1) {
-          if (pad) row[0] = row[Wp - 1] = opmath_t(0);
-          for (int64_t iw = 0; iw < W; ++iw) row[iw + pad] = static_cast<opmath_t>(xr[iw]);
-        } else {
-          for (int64_t q = 0; q < Wp; ++q) {
-            const int64_t iw = q - pad;
-            const opmath_t v = (iw >= 0 && iw < W) ? static_cast<opmath_t>(xr[iw]) : opmath_t(0);
-            row[(q & 1) ? E + (q >> 1) : (q >> 1)] = v;
+      // Padded rows [first, next) are staged; rows up to `limit` are needed.
+      int64_t next = oh0 * s;
+      const int64_t limit = (oh1 - 1) * s + 3;
+      auto stage = [&](int64_t upto) {
+        for (upto = std::min(upto, limit); next < upto; ++next) {
+          opmath_t* row = plane + next * rowlen;
+          const int64_t ih = next - pad;
+          if (ih < 0 || ih >= H) {
+            std::fill(row, row + rowlen, opmath_t(0));
+            continue;
           }
+          const scalar_t* xr = xp + ih * W;
+          // The next planes follow in memory: ask for the bytes about
+          // kPrefetch ahead now, so they arrive while this row is used.
+          for (int64_t q = 0; q < W; q += kLine) __builtin_prefetch(xr + kPrefetch + q, 0, 3);
+          // Stride 1 stages the padded row in place; stride 2 stages it into
+          // `split` first, then splits its even and odd columns.
+          opmath_t* t = s == 1 ? row : split;
+          opmath_t* d = t + pad;
+          int64_t iw = 0;
+          for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
+          if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+          if (pad) t[0] = t[Wp - 1] = opmath_t(0);
+          if (s == 2) split_even_odd(split, row, Wp, E);
         }
-      }
+      };
       for (int64_t j = 0; j < m; ++j) {
         const int64_t k = c * m + j;
-        opmath_t wk[9];
-        for (int t = 0; t < 9; ++t) wk[t] = static_cast<opmath_t>(w[k * 9 + t]);
+        V wv[9];
+        for (int t = 0; t < 9; ++t) wv[t] = V(static_cast<opmath_t>(w[k * 9 + t]));
         const opmath_t bk = b ? static_cast<opmath_t>(b[k]) : opmath_t(0);
         scalar_t* op = out + (n * p.K + k) * Ho * Wo;
-        V wv[9];
-        for (int t = 0; t < 9; ++t) wv[t] = V(wk[t]);
-        for (int64_t oh = 0; oh < Ho; ++oh) {
-          if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-            if (s == 1 && oh + 1 < Ho) {
-              // Two output rows at once from four staged rows: each loaded
-              // vector feeds both rows' accumulators (12 loads per 2 outputs).
-              const opmath_t* R[4];
-              for (int rr = 0; rr < 4; ++rr) R[rr] = plane.data() + (oh + rr) * rowlen;
-              scalar_t* o0 = op + oh * Wo;
-              scalar_t* o1 = o0 + Wo;
-              for (int64_t ow = 0; ow < Wo; ow += L) {
-                V a0(bk), a1(bk);
-                for (int rr = 0; rr < 4; ++rr) {
-                  const V x0 = V::loadu(R[rr] + ow), x1 = V::loadu(R[rr] + ow + 1), x2 = V::loadu(R[rr] + ow + 2);
-                  if (rr < 3) {
-                    a0 = at::vec::fmadd(wv[rr * 3], x0, a0);
-                    a0 = at::vec::fmadd(wv[rr * 3 + 1], x1, a0);
-                    a0 = at::vec::fmadd(wv[rr * 3 + 2], x2, a0);
-                  }
-                  if (rr > 0) {
-                    a1 = at::vec::fmadd(wv[rr * 3 - 3], x0, a1);
-                    a1 = at::vec::fmadd(wv[rr * 3 - 2], x1, a1);
-                    a1 = at::vec::fmadd(wv[rr * 3 - 1], x2, a1);
-                  }
-                }
-                if (p.relu) {
-                  a0 = relu_vec(a0);
-                  a1 = relu_vec(a1);
-                }
-                const int64_t rem = Wo - ow;
-                if (rem >= L) {
-                  a0.store(o0 + ow);
-                  a1.store(o1 + ow);
-                } else {
-                  a0.store(o0 + ow, static_cast<int>(rem));
-                  a1.store(o1 + ow, static_cast<int>(rem));
-                }
-              }
-              ++oh;
-              continue;
-            }
-          }
-          const opmath_t* taps[9];
-          for (int kh = 0; kh < 3; ++kh) {
-            const opmath_t* row = plane.data() + (oh * s + kh) * rowlen;
-            if (s == 1) {
-              taps[kh * 3 + 0] = row;
-              taps[kh * 3 + 1] = row + 1;
-              taps[kh * 3 + 2] = row + 2;
-            } else {
-              taps[kh * 3 + 0] = row;
-              taps[kh * 3 + 1] = row + E;
-              taps[kh * 3 + 2] = row + 1;
-            }
-          }
-          scalar_t* orow = op + oh * Wo;
-          int64_t ow = 0;
-          for (; ow + L <= Wo; ow += L) {
-            V a(bk);
-            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
-            if (p.relu) a = relu_vec(a);
-            if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-              a.store(orow + ow);
-            } else {
-              a.store(acc.data() + ow);
-              for (int64_t i = 0; i < L; ++i) orow[ow + i] = static_cast<scalar_t>(acc[ow + i]);
-            }
-          }
-          if (ow < Wo) {
-            // Tail: full-width loads stay inside the row's slack (rowlen = Wp + L),
-            // only Wo - ow values are stored.
-            const int64_t rem = Wo - ow;
-            V a(bk);
-            for (int t = 0; t < 9; ++t) a = at::vec::fmadd(wv[t], V::loadu(taps[t] + ow), a);
-            if (p.relu) a = relu_vec(a);
-            if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-              a.store(orow + ow, static_cast<int>(rem));
-            } else {
-              a.store(acc.data() + ow);
-              for (int64_t i = 0; i < rem; ++i) orow[ow + i] = static_cast<scalar_t>(acc[ow + i]);
-            }
-          }
+        if (s == 1) {
+          dw_nchw_rows<1, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.relu, op, stage);
+        } else {
+          dw_nchw_rows<2, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.relu, op, stage);
         }
       }
     }
   });
 }
 
+// NHWC, R output rows x T output pixels for one vector of channels
+// [k0, k0 + n): r[i] points at staged input row i's first needed pixel
+// (channel k0), nullptr for a padding row; NR = (R - 1) * S + 3 input rows.
+// Input pixels are C apart, output pixels K apart, output rows orow_stride.
+// Each loaded input vector feeds up to 3 pixels of up to 3 rows: with R = 2
+// the loads per FMA halve against R = 1.
+template <typename scalar_t, int R, int S, int T, bool Full>
+inline void dw_nhwc_tile(const scalar_t* const* r, int64_t C, const at::opmath_type<scalar_t>* wk, int64_t K,
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, int64_t orow_stride,
+                         bool relu, int n) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  constexpr int NI = (T - 1) * S + 3;
+  constexpr int NR = (R - 1) * S + 3;
+  V acc[R][T];
+  V wv[9];
+#pragma GCC unroll 9
+  for (int t = 0; t < 9; ++t) wv[t] = V::loadu(wk + t * K);
+#pragma GCC unroll 4
+  for (int q = 0; q < R; ++q) {
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) acc[q][t] = bv;
+  }
+#pragma GCC unroll 5
+  for (int rr = 0; rr < NR; ++rr) {
+    if (!r[rr]) continue;
+    V in[NI];
+#pragma GCC unroll 16
+    for (int i = 0; i < NI; ++i) in[i] = Full ? IO::load(r[rr] + i * C) : IO::load(r[rr] + i * C, n);
+#pragma GCC unroll 4
+    for (int q = 0; q < R; ++q) {
+      const int kh = rr - S * q;
+      if (kh < 0 || kh > 2) continue;
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        acc[q][t] = at::vec::fmadd(wv[kh * 3], in[t * S], acc[q][t]);
+        acc[q][t] = at::vec::fmadd(wv[kh * 3 + 1], in[t * S + 1], acc[q][t]);
+        acc[q][t] = at::vec::fmadd(wv[kh * 3 + 2], in[t * S + 2], acc[q][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < R; ++q) {
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      V a = acc[q][t];
+      if (relu) a = relu_vec(a);
+      if constexpr (Full) {
+        IO::store(o + q * orow_stride + t * K, a);
+      } else {
+        IO::store(o + q * orow_stride + t * K, a, n);
+      }
+    }
+  }
+}
+
+// One NHWC output pixel whose taps may fall into the left / right padding:
+// rows[kh] points at input row kh's pixel 0 (channel k0) or is nullptr.
+template <typename scalar_t, bool Full>
+inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int64_t iw0,
+                         const at::opmath_type<scalar_t>* wk, int64_t K,
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, bool relu, int n) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  V a = bv;
+  for (int kh = 0; kh < 3; ++kh) {
+    if (!rows[kh]) continue;
+    for (int kw = 0; kw < 3; ++kw) {
+      const int64_t iw = iw0 + kw;
+      if (iw < 0 || iw >= W) continue;
+      const scalar_t* src = rows[kh] + iw * C;
+      a = at::vec::fmadd(V::loadu(wk + (kh * 3 + kw) * K), Full ? IO::load(src) : IO::load(src, n), a);
+    }
+  }
+  if (relu) a = relu_vec(a);
+  if constexpr (Full) {
+    IO::store(o, a);
+  } else {
+    IO::store(o, a, n);
+  }
+}
+
+// R NHWC output rows (R = 2, or 1 for an odd last row), channel multiplier 1:
+// rows[i] is input row oh * S - pad + i of the image (NR of them, nullptr in
+// the padding). Pixels whose taps are all inside the row go through
+// dw_nhwc_tile, kTile at a time (then kTile / 2, then one), every channel
+// vector of a tile before the next tile (the input and output are read and
+// written in order); the few pixels next to the padding go through
+// dw_nhwc_edge. While a tile computes, the same columns of the input rows the
+// next pass adds (next_rows, next_avail of them) are prefetched, one channel
+// vector at a time so that few prefetches are in flight at once: the rows
+// are far apart in memory and the hardware prefetchers alone leave the loads
+// waiting.
+template <typename scalar_t, int R, int S>
+void dw_nhwc_rows(const scalar_t* const* rows, const at::opmath_type<scalar_t>* wt,
+                  const at::opmath_type<scalar_t>* bias, scalar_t* orow, int64_t C, int64_t W, int64_t Wo, int64_t pad,
+                  bool relu, const scalar_t* next_rows, int64_t next_avail) {
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  constexpr int64_t L = V::size();
+  constexpr int NR = (R - 1) * S + 3;
+#if defined(CPU_CAPABILITY_AVX512)
+  // R * kTile accumulators, 9 weights and up to (kTile - 1) * S + 3 inputs
+  // of 32 registers.
+  constexpr int kTile = R == 1 ? 8 : 4;
+#else
+  constexpr int kTile = R == 1 ? 4 : 2;  // 16 vector registers
+#endif
+  const int64_t K = C, ostride = Wo * K;
+  // Output columns [lo, hi) read input columns inside [0, W) only.
+  const int64_t lo = std::min<int64_t>(Wo, (pad + S - 1) / S);
+  const int64_t last = W - 3 + pad;  // largest ow * S with all taps inside
+  const int64_t hi = std::max<int64_t>(lo, last < 0 ? 0 : std::min<int64_t>(Wo, last / S + 1));
+  const int64_t kfull = K / L * L;
+  const int ntail = static_cast<int>(K - kfull);
+  auto edge = [&](int64_t ow) {
+    const int64_t iw0 = ow * S - pad;
+    for (int q = 0; q < R; ++q) {
+      const scalar_t* r[3];
+      for (int64_t k0 = 0; k0 < K; k0 += L) {
+        for (int kh = 0; kh < 3; ++kh) r[kh] = rows[q * S + kh] ? rows[q * S + kh] + k0 : nullptr;
+        scalar_t* o = orow + q * ostride + ow * K + k0;
+        if (k0 < kfull) {
+          dw_nhwc_edge<scalar_t, true>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, relu, L);
+        } else {
+          dw_nhwc_edge<scalar_t, false>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, relu, ntail);
+        }
+      }
+    }
+  };
+  auto tiles = [&](auto tile_const, int64_t ow) {
+    constexpr int Tn = decltype(tile_const)::value;
+    const int64_t iw0 = ow * S - pad;
+    const scalar_t* r[NR];
+    for (int64_t k0 = 0; k0 < K; k0 += L) {
+      for (int64_t q = 0; q < next_avail; ++q) {
+        const scalar_t* pf = next_rows + q * W * C + iw0 * C + k0;
+        for (int i = 0; i < Tn * S; ++i) __builtin_prefetch(pf + i * C, 0, 3);
+      }
+      for (int i = 0; i < NR; ++i) r[i] = rows[i] ? rows[i] + iw0 * C + k0 : nullptr;
+      scalar_t* o = orow + ow * K + k0;
+      if (k0 < kfull) {
+        dw_nhwc_tile<scalar_t, R, S, Tn, true>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, relu, L);
+      } else {
+        dw_nhwc_tile<scalar_t, R, S, Tn, false>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, relu, ntail);
+      }
+    }
+  };
+  int64_t ow = 0;
+  for (; ow < lo; ++ow) edge(ow);
+  for (; ow + kTile <= hi; ow += kTile) tiles(std::integral_constant<int, kTile>{}, ow);
+  if (ow + kTile / 2 <= hi) {
+    tiles(std::integral_constant<int, kTile / 2>{}, ow);
+    ow += kTile / 2;
+  }
+  for (; ow < hi; ++ow) tiles(std::integral_constant<int, 1>{}, ow);
+  for (; ow < Wo; ++ow) edge(ow);
+}
+
+// NHWC: vectorised along the channels, parallel over (image, pair of output
+// rows), through dw_nhwc_rows; a channel multiplier > 1 (output channel k
+// reads input channel k / m) runs it on input rows with repeated channels.
 template <typename scalar_t>
 void dw_nhwc(const conv::DwParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -181,85 +524,59 @@ void dw_nhwc(const conv::DwParams& p) {
   const auto* b = static_cast<const scalar_t*>(p.b);
   auto* out = static_cast<scalar_t*>(p.out);
   const int64_t C = p.C, K = p.K, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, s = p.stride, pad = p.pad, m = p.mult;
-  // Weights transposed to (9, K) and the bias, in opmath.
-  std::vector<opmath_t> wt(9 * K), bias(K, opmath_t(0));
+  // Weights transposed to (9, K) and the bias, in opmath; L slack values so
+  // the last channel vector's full-width loads stay inside.
+  std::vector<opmath_t> wt(9 * K + L, opmath_t(0)), bias(K + L, opmath_t(0));
   for (int64_t k = 0; k < K; ++k) {
     for (int t = 0; t < 9; ++t) wt[t * K + k] = static_cast<opmath_t>(w[k * 9 + t]);
     if (b) bias[k] = static_cast<opmath_t>(b[k]);
   }
-  constexpr bool kSame = std::is_same_v<scalar_t, opmath_t>;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, Wo * K));
-  at::parallel_for(0, p.N * Ho, grain, [&](int64_t begin, int64_t end) {
-    // Up to three input rows (converted to opmath for half types) and one
-    // output pixel's accumulators.
-    std::vector<opmath_t> rows(kSame ? 0 : 3 * W * C);
-    std::vector<opmath_t> acc(K + L);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t n = r / Ho, oh = r % Ho;
-      const opmath_t* xrow[3];
-      for (int kh = 0; kh < 3; ++kh) {
-        const int64_t ih = oh * s - pad + kh;
-        if (ih < 0 || ih >= H) {
-          xrow[kh] = nullptr;
-          continue;
+  const int64_t pairs = (Ho + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, 2 * Wo * K));
+  at::parallel_for(0, p.N * pairs, grain, [&](int64_t begin, int64_t end) {
+    // Channel multiplier m > 1: the pass's input rows with every channel
+    // repeated m times (channel k of a repeated row is input channel k / m),
+    // so the same loops as for m = 1 run on them with C = K.
+    std::vector<scalar_t> rep(m == 1 ? 0 : 5 * W * K);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / pairs, oh0 = (item % pairs) * 2;
+      const int R = oh0 + 1 < Ho ? 2 : 1;
+      const scalar_t* rows[5];
+      for (int i = 0; i < 5; ++i) {
+        const int64_t ih = oh0 * s - pad + i;
+        rows[i] = (ih < 0 || ih >= H) ? nullptr : x + ((n * H + ih) * W) * C;
+      }
+      scalar_t* orow = out + ((n * Ho + oh0) * Wo) * K;
+      const int64_t ih_next = oh0 * s - pad + (R - 1) * s + 3;  // first input row the next pass adds
+      int64_t next_avail = ih_next < 0 ? 0 : std::min<int64_t>(R * s, H - ih_next);
+      const scalar_t* next_rows = next_avail > 0 ? x + ((n * H + ih_next) * W) * C : nullptr;
+      int64_t Ceff = C;
+      if (m > 1) {
+        const int nr = (R - 1) * static_cast<int>(s) + 3;
+        for (int i = 0; i < nr; ++i) {
+          if (!rows[i]) continue;
+          scalar_t* d = rep.data() + i * W * K;
+          for (int64_t iw = 0; iw < W; ++iw) {
+            const scalar_t* src = rows[i] + iw * C;
+            for (int64_t c = 0; c < C; ++c) std::fill(d + iw * K + c * m, d + iw * K + (c + 1) * m, src[c]);
+          }
+          rows[i] = d;
         }
-        const scalar_t* src = x + ((n * H + ih) * W) * C;
-        if constexpr (kSame) {
-          xrow[kh] = src;
+        Ceff = K;
+        next_rows = nullptr;
+        next_avail = 0;
+      }
+      if (s == 1) {
+        if (R == 2) {
+          dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
         } else {
-          opmath_t* dst = rows.data() + kh * W * C;
-          for (int64_t i = 0; i < W * C; ++i) dst[i] = static_cast<opmath_t>(src[i]);
-          xrow[kh] = dst;
+          dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
         }
-      }
-      scalar_t* orow = out + ((n * Ho + oh) * Wo) * K;
-      int64_t k0 = 0;
-      if (m == 1) {
-        // One channel vector at a time along the whole row: its 9 weight
-        // vectors stay in registers, each output is 9 FMAs from the bias.
-        for (; k0 + L <= K; k0 += L) {
-          V wv[9];
-          for (int t = 0; t < 9; ++t) wv[t] = V::loadu(wt.data() + t * K + k0);
-          const V bv = V::loadu(bias.data() + k0);
-          for (int64_t ow = 0; ow < Wo; ++ow) {
-            const int64_t iw0 = ow * s - pad;
-            V a = bv;
-            for (int kh = 0; kh < 3; ++kh) {
-              if (!xrow[kh]) continue;
-              const opmath_t* xr = xrow[kh] + k0;
-              for (int kw = 0; kw < 3; ++kw) {
-                const int64_t iw = iw0 + kw;
-                if (iw < 0 || iw >= W) continue;
-                a = at::vec::fmadd(wv[kh * 3 + kw], V::loadu(xr + iw * C), a);
-              }
-            }
-            if (p.relu) a = relu_vec(a);
-            scalar_t* o = orow + ow * K + k0;
-            if constexpr (kSame) {
-              a.store(o);
-            } else {
-              a.store(acc.data());
-              for (int64_t q = 0; q < L; ++q) o[q] = static_cast<scalar_t>(acc[q]);
-            }
-          }
-        }
-      }
-      if (k0 < K) {
-        // Remaining channels (fewer than a vector, or a channel multiplier > 1).
-        for (int64_t ow = 0; ow < Wo; ++ow) {
-          std::copy(bias.begin() + k0, bias.end(), acc.begin() + k0);
-          for (int kh = 0; kh < 3; ++kh) {
-            if (!xrow[kh]) continue;
-            for (int kw = 0; kw < 3; ++kw) {
-              const int64_t iw = ow * s - pad + kw;
-              if (iw < 0 || iw >= W) continue;
-              const opmath_t* xi = xrow[kh] + iw * C;
-              const opmath_t* wv = wt.data() + (kh * 3 + kw) * K;
-              for (int64_t k = k0; k < K; ++k) acc[k] += wv[k] * xi[k / m];
-            }
-          }
-          scalar_t* o = orow + ow * K;
-          for (int64_t k = k0; k < K; ++k) o[k] = static_cast<scalar_t>(p.relu ? relu_scalar(acc[k]) : acc[k]);
+      } else {
+        if (R == 2) {
+          dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+        } else {
+          dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
         }
       }
     }
