@@ -587,3 +587,27 @@ def test_cuda_depthwise_stride1_offset_views(dtype, channels_last):
     assert x.data_ptr() % 16 != 0
     for padding in (0, 1):
         check(x, rand((c, 1, 3, 3), dtype, "cuda"), rand((c,), dtype, "cuda"), 1, padding, c, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["cudnn", "opforge"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_dense_relu_engines(engine, dtype, channels_last, monkeypatch):
+    """Dense + ReLU through cuDNN's fused kernel (the default) and through this
+    library's tensor-core kernel (OPFORGE_CONV_DENSE_ENGINE=opforge)."""
+    monkeypatch.setenv("OPFORGE_CONV_DENSE_ENGINE", engine)
+    for stride, padding in CONFIGS:
+        x = rand((2, 32, 13, 18), dtype, "cuda")
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        check(x, rand((40, 32, 3, 3), dtype, "cuda"), rand((40,), dtype, "cuda"), stride, padding, 1, True)
+        check(x, rand((40, 32, 3, 3), dtype, "cuda"), None, stride, padding, 1, True)
+
+
+@pytest.mark.cuda
+def test_cuda_dense_engine_bad_value(monkeypatch):
+    monkeypatch.setenv("OPFORGE_CONV_DENSE_ENGINE", "fastest")
+    x = rand((1, 8, 6, 6), torch.float32, "cuda")
+    with pytest.raises(ValueError, match='OPFORGE_CONV_DENSE_ENGINE must be "cudnn" or "opforge", got "fastest"'):
+        opforge.conv2d_3x3(x, rand((8, 8, 3, 3), torch.float32, "cuda"), None, activation="relu")

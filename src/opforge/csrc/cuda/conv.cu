@@ -3,15 +3,24 @@
 // Depthwise (groups == C): the direct kernels of cuda/conv_depthwise.cu,
 // forward and backward (grad x, grad weight, grad bias with the ReLU mask
 // applied as grad_out is read).
-// Dense (groups == 1): the tensor-core implicit GEMM of
-// cuda/conv3x3_dense_mma.cu when it takes the case; otherwise (fallback) ATen's
-// convolution (cuDNN, honouring torch.backends.cudnn.allow_tf32 for float32
-// exactly like F.conv2d) followed by ONE fused bias + ReLU epilogue kernel,
-// in place on cuDNN's output (16-byte vectors when aligned). Dense backward:
+// Dense (groups == 1) with ReLU: cuDNN's fused convolution + bias + ReLU
+// (at::cudnn_convolution_relu: one tensor-core kernel with the epilogue
+// fused, from the cuDNN that torch ships) where cuDNN takes the case: on the
+// H200 it runs the benchmark shapes faster than this library's own kernel.
+// Otherwise, and without ReLU, the tensor-core implicit GEMM of
+// cuda/conv3x3_dense_mma.cu when it takes the case
+// (OPFORGE_CONV_DENSE_ENGINE=opforge makes it the first choice with ReLU
+// too); otherwise (fallback) ATen's convolution (cuDNN, honouring
+// torch.backends.cudnn.allow_tf32 for float32 exactly like F.conv2d)
+// followed by ONE fused bias + ReLU epilogue kernel, in place on cuDNN's
+// output (16-byte vectors when aligned). Dense backward:
 // the masked gradient, then ATen's convolution_backward (cuDNN).
 // Inputs take one .contiguous() in x's memory format (a no-op for contiguous
 // and channels_last tensors).
+#include <ATen/Context.h>
 #include <ATen/Functions.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/util/env.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -107,6 +116,34 @@ void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, bool relu, bool nhwc, 
   });
 }
 
+// Which engine runs dense convolutions with ReLU first: "cudnn" (default) or
+// "opforge" (this library's tensor-core kernel), from OPFORGE_CONV_DENSE_ENGINE.
+bool prefer_cudnn_fused() {
+  const auto v = c10::utils::get_env("OPFORGE_CONV_DENSE_ENGINE");
+  if (!v.has_value() || v->empty() || *v == "cudnn") return true;
+  TORCH_CHECK_VALUE(*v == "opforge", kOp, ": OPFORGE_CONV_DENSE_ENGINE must be \"cudnn\" or \"opforge\", got \"",
+                    *v, "\"");
+  return false;
+}
+
+// relu(conv(x, w) + bias) by cuDNN's fused kernel; nullopt where cuDNN is
+// absent, disabled, or refuses the case (float64 is left to the others).
+std::optional<at::Tensor> cudnn_conv_bias_relu(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                                               int64_t stride, int64_t padding, at::MemoryFormat fmt) {
+  if (x.scalar_type() == at::kDouble || !at::globalContext().userEnabledCuDNN() ||
+      !at::detail::getCUDAHooks().compiledWithCuDNN()) {
+    return std::nullopt;
+  }
+  try {
+    at::Tensor y = at::cudnn_convolution_relu(x, w, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                                              {stride, stride}, {padding, padding}, {1, 1}, 1);
+    if (!y.is_contiguous(fmt)) y = y.contiguous(fmt);
+    return y;
+  } catch (const c10::Error&) {
+    return std::nullopt;  // no cuDNN engine for this case: the other paths take it
+  }
+}
+
 at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in,
                            int64_t stride, int64_t padding, int64_t groups, bool relu) {
   const Geometry g = opforge::conv::check_conv_args(kOp, x_in, w_in, bias_in, stride, padding, groups);
@@ -120,6 +157,9 @@ at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const
   if (g.depthwise) {
     opforge::conv::depthwise_forward_cuda(x, w, bias, relu, out, g, nhwc);
     return out;
+  }
+  if (relu && prefer_cudnn_fused()) {
+    if (auto y = cudnn_conv_bias_relu(x, w, bias, stride, padding, fmt)) return *y;
   }
   if (opforge::conv::conv3x3_dense_forward_mma(x, w, bias, stride, padding, relu, out)) return out;
   // Fallback: cuDNN, then one fused bias + ReLU pass.

@@ -692,8 +692,7 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //    with 64 registers of values (backward);
 //  * otherwise one block of up to itmax vectors per thread, else the
 //    two-pass split.
-// The forward runs rows and clusters with the persistent, pipelined kernel
-// (fwd_stream_kernel) where it can.
+// Long forward rows take the persistent, pipelined kernel (default_request).
 // itmax / itlight: vectors per thread in 64 / 32 registers of values.
 PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
   const int e_short = 16, e_long = 32;
@@ -734,11 +733,23 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
 }
 
 PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
-  PlanRequest r = default_shape(K, V, itmax, itlight, clusters, arrays);
-  // The forward streams its rows through shared memory, unless a thread
-  // holds more than 32 values (the persistent loop's state would spill).
-  r.stream = arrays == 1 && r.it * V <= 32;
-  return r;
+  // Long forward rows: the persistent kernel with 64 registers of values per
+  // thread, one block per row while 512 threads (256 for 4-byte types) hold
+  // it, else a cluster of blocks of 256 threads (512 past 8 blocks). The measured best from 8192
+  // elements on for 2-byte types, from 16384 on for 4-byte ones; shorter
+  // rows are fastest with the plain kernels.
+  const int64_t stream_from = V >= 8 ? 8192 : 16384;
+  if (arrays == 1 && K >= stream_from) {
+    const int64_t per_block = int64_t{kMaxGroup} * V * itmax;
+    const int single = V >= 8 ? kMaxGroup : 256;  // 4-byte types: 512 such threads fill an SM alone
+    if (K <= int64_t{single} * V * itmax) {
+      return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * itmax))), 1, itmax, false, true};
+    }
+    const int64_t c256 = ceil_div(K, int64_t{256} * V * itmax);
+    if (clusters && c256 <= 8) return {256, 1, itmax, true, true};
+    if (clusters && ceil_div(K, per_block) <= kMaxCluster) return {kMaxGroup, 1, itmax, true, true};
+  }
+  return default_shape(K, V, itmax, itlight, clusters, arrays);
 }
 
 // How many blocks (c == 1) or clusters of c blocks of `block` threads with
@@ -760,12 +771,15 @@ int resident(Kernel kernel, int c, int block, int smem, int min_ptx = 0) {
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   const int need_ptx = c > 1 ? std::max(90, min_ptx) : min_ptx;
-  if (attr.ptxVersion < need_ptx || smem > static_cast<int>(prop->sharedMemPerBlockOptin)) {
+  if (attr.ptxVersion < need_ptx || smem + attr.sharedSizeBytes > prop->sharedMemPerBlockOptin) {
     known.emplace(key, 0);
     return 0;
   }
   if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    // The most the kernel may ever ask for (a smaller value set here would
+    // make an earlier, larger plan's launches fail).
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(prop->sharedMemPerBlockOptin - attr.sharedSizeBytes)));
   }
   if (c == 1) {
     int per_sm = 0;
