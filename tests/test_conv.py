@@ -593,16 +593,17 @@ def test_cuda_depthwise_stride1_offset_views(dtype, channels_last):
 @pytest.mark.parametrize("engine", ["cudnn", "opforge"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_cuda_dense_relu_engines(engine, dtype, channels_last, monkeypatch):
-    """Dense + ReLU through cuDNN's fused kernel (the default) and through this
-    library's tensor-core kernel (OPFORGE_CONV_DENSE_ENGINE=opforge)."""
+def test_cuda_dense_engines(engine, dtype, channels_last, monkeypatch):
+    """Dense convolutions through cuDNN (the default: its fused kernel with ReLU)
+    and through this library's tensor-core kernel (OPFORGE_CONV_DENSE_ENGINE=opforge)."""
     monkeypatch.setenv("OPFORGE_CONV_DENSE_ENGINE", engine)
     for stride, padding in CONFIGS:
         x = rand((2, 32, 13, 18), dtype, "cuda")
         if channels_last:
             x = x.to(memory_format=torch.channels_last)
-        check(x, rand((40, 32, 3, 3), dtype, "cuda"), rand((40,), dtype, "cuda"), stride, padding, 1, True)
-        check(x, rand((40, 32, 3, 3), dtype, "cuda"), None, stride, padding, 1, True)
+        for relu in (True, False):
+            check(x, rand((40, 32, 3, 3), dtype, "cuda"), rand((40,), dtype, "cuda"), stride, padding, 1, relu)
+            check(x, rand((40, 32, 3, 3), dtype, "cuda"), None, stride, padding, 1, relu)
 
 
 @pytest.mark.cuda

@@ -220,7 +220,10 @@ def _forward_and_grads(fn, case: BenchCase, inputs: list, grads_seed: list | Non
     outs = [t for t in _tensors(out) if t.requires_grad]
     if not outs:
         raise AssertionError("output does not require grad")
-    grads = grads_seed if grads_seed is not None else [torch.randn_like(t) for t in outs]
+    if grads_seed is None:
+        grads = [torch.randn_like(t) for t in outs]
+    else:  # the same incoming gradients, in each output's dtype (a float64 reference's may differ)
+        grads = [g.to(t.dtype) for g, t in zip(grads_seed, outs)]
     gin = torch.autograd.grad(outs, _grad_inputs(case, inputs), grads, allow_unused=True)
     return out, list(gin), grads
 
@@ -422,7 +425,10 @@ def _compile_config(key: str, mode: str):
 def _run_provider(res: ProviderResult, fn, case: BenchCase, mode: str, settings: Settings, sets, cache_bytes: int):
     """Checks then times one provider, filling ``res``; returns the (shared) input sets."""
     try:
-        _check_provider(fn, case, mode, case.eager)
+        # A float64 reference checks forward outputs; gradients, long float32
+        # reductions in every provider, are compared with eager's.
+        reference = case.reference if case.reference is not None and mode == "fwd" else case.eager
+        _check_provider(fn, case, mode, reference)
     except AssertionError as exc:
         res.status, res.detail = "WRONG", _short_error(exc)
         return sets

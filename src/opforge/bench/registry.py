@@ -36,6 +36,10 @@ class BenchCase:
     atol: float | None = None  # correctness tolerance vs eager (None: per-dtype default)
     rtol: float | None = None
     compare: Callable | None = None  # custom check(ours_out, eager_out) -> None, raises on mismatch
+    # Forward outputs are checked against it instead of eager when given: the
+    # same computation in float64 (every provider, eager included, must then be
+    # within tolerance of it). Gradients are still compared with eager's.
+    reference: Callable | None = None
     quick: bool = False  # part of `opforge bench --quick`
     flops_bwd: float = 0.0  # FLOPs of the backward pass (compute-bound cases)
 

@@ -25,6 +25,18 @@ def _eager(groups: int, relu: bool, padding: int = 1):
     return fn
 
 
+def _reference(groups: int, relu: bool, padding: int = 1):
+    """The float64 result every provider is checked against (half-type
+    outputs of two implementations can each be within rounding of it and still
+    differ from each other by more than a tolerance on millions of outputs)."""
+
+    def fn(x, w, b):
+        y = F.conv2d(x.double(), w.double(), b.double(), 1, padding, 1, groups)
+        return torch.relu(y) if relu else y
+
+    return fn
+
+
 def _ours(groups: int, relu: bool, padding: int = 1):
     def fn(x, w, b):
         return opforge.conv2d_3x3(x, w, b, 1, padding, groups, "relu" if relu else None)
@@ -71,6 +83,7 @@ def cases(device: str) -> list[BenchCase]:
                         ours=_ours(c, True),
                         eager=_eager(c, True),
                         eager_name="F.conv2d+relu",
+                        reference=_reference(c, True),
                         bytes_fwd=2 * n * c * h * w * s + 10 * c * s,
                         # read grad_out, result and x, write grad x; weights negligible
                         bytes_bwd=4 * n * c * h * w * s,
