@@ -1,23 +1,26 @@
 // CUDA kernels of the softmax family.
 //
-// Inner-most dim (rows contiguous), one kernel template with three uses:
-//  * short rows (K <= 32 * elements per thread): a warp -- or a power-of-two
-//    slice of one, for tiny rows -- per row, reductions by shuffles only;
-//  * medium rows (up to 512 threads x 64 registers of values: 32K elements for
-//    float32/bfloat16): a block per row, the row held in registers, so the
-//    input is read once and the output written once;
-//  * longer rows, on Hopper and later: the row is split over a cluster of up
-//    to 16 blocks, each holding its chunk in registers; the blocks exchange
-//    their chunk's (max, sum of exp) through distributed shared memory, so
-//    the input is still read once, in one launch;
+// Inner-most dim (rows contiguous). Every launch follows a plan (threads per
+// row, rows per block, values per thread, how a long row is split; the
+// defaults in default_request come from timing every plan on an H200 with
+// bench/softmax_plans.py, which runs any plan through `_softmax_plan` /
+// `_softmax_backward_plan`):
+//  * short rows: a warp, or a power-of-two slice of one, per row,
+//    reductions by shuffles only, several rows per block;
+//  * medium rows: a block per row, the row held in registers, so the input is
+//    read once and the output written once;
+//  * long forward rows: a persistent kernel (fwd_stream_kernel) whose
+//    threads queue their next row's copies into shared memory (cp.async)
+//    while the current row is reduced and written;
+//  * rows longer than a block, on Hopper and later: the row is split over a
+//    cluster of up to 16 blocks, each holding its chunk in registers; the
+//    blocks exchange their chunk's (max, sum of exp) through distributed
+//    shared memory, so the input is still read once, in one launch;
 //  * longer rows still, or GPUs without clusters, with no cap: each row is
 //    split into chunks of a block's capacity; pass 1 writes each chunk's
 //    (max, sum of exp) to a small workspace, pass 2 combines a row's
 //    partials and writes its chunk. Rows are processed in batches that fit
 //    in half the L2 cache, so pass 2's re-read of the input is served by L2.
-// Which of these runs, and with how many threads and values per thread, is
-// the launch plan (make_plan); `_softmax_plan` / `_softmax_backward_plan`
-// run a given plan, so a sweep can measure the alternatives.
 // Loads and stores are 16-byte vectors when K is a multiple of the vector
 // width and the pointers are aligned, scalar otherwise.
 //
@@ -828,9 +831,6 @@ void launch_maybe_cluster(Kernel kernel, dim3 grid, int block, int smem, bool cl
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
-// Whether this build's kernels can use clusters at all on the current GPU.
-bool clusters_available();
-
 // Launches kernel(args..., G, phase, row0, rows, chunk, partials, nchunks)
 // over all rows per the plan: one launch per batch of rows for Rows and
 // Cluster (phase 0 / 3); two per batch for Split (phases 1 and 2), batches
@@ -875,6 +875,7 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   }
 }
 
+// Whether this build's kernels can use clusters at all on the current GPU.
 bool clusters_available() {
   return cluster_launchable(fwd_rows_kernel<float, 4, 1, sm::Mode::Softmax>, 2, kMaxGroup);
 }
