@@ -925,6 +925,19 @@ void check_request(const PlanRequest& r, int itmax) {
                     opforge::num(itmax), " for this dtype and alignment, got ", opforge::num(r.it));
 }
 
+// The plan for rows of K elements in vectors of V: the requested one
+// (checked against the kernels' register budget B) or the default.
+// arrays: register arrays per element (1 forward, 2 backward).
+template <typename B, int V>
+Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays) {
+  constexpr int ITMAX = B::template itmax<V>();
+  if (req != nullptr) {
+    check_request(*req, ITMAX);
+    return plan_from(*req, K, V);
+  }
+  return plan_from(default_request(K, V, ITMAX, B::template itlight<V>(), clusters_available(), arrays), K, V);
+}
+
 template <typename T, sm::Mode MODE>
 void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequest* req) {
   using A = Acc<T>;
@@ -944,14 +957,7 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 1, MODE>;
     constexpr int ITMAX = B::template itmax<V>();
-    PlanRequest r;
-    if (req != nullptr) {
-      r = *req;
-      check_request(r, ITMAX);
-    } else {
-      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available(), 1);
-    }
-    const Plan p = plan_from(r, a.K, V);
+    const Plan p = resolve_plan<B, V>(req, a.K, 1);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       if constexpr (MODE != sm::Mode::ScaledMasked && V > 1) {
@@ -987,14 +993,7 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t, const PlanReq
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 2, sm::Mode::Softmax>;
     constexpr int ITMAX = B::template itmax<V>();
-    PlanRequest r;
-    if (req != nullptr) {
-      r = *req;
-      check_request(r, ITMAX);
-    } else {
-      r = default_request(a.K, V, ITMAX, B::template itlight<V>(), clusters_available(), 2);
-    }
-    const Plan p = plan_from(r, a.K, V);
+    const Plan p = resolve_plan<B, V>(req, a.K, 2);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       run_plan<A>(p, bwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, 2 * sizeof(T), 1, t.options());
