@@ -145,14 +145,16 @@ inline void affine_from_acc(const float* src, T* dst, int64_t n, float mul, floa
   for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul + add);
 }
 
-// dst[i] = exp(src[i] - m); returns the sum. dst may alias src.
-template <typename A>
-inline A exp_and_sum(const A* src, A* dst, int64_t n, A m) {
+// sum(exp(src - m)), also storing dst[i] = exp(src[i] - m) when kStore
+// (dst may alias src). Summed in blocks of 1024 values (two accumulators
+// each), then the block sums: long rows lose far less to rounding than with
+// one running sum.
+template <bool kStore, typename A>
+inline A exp_sum_blocked(const A* src, A* dst, int64_t n, A m) {
   using V = Vectorized<A>;
   constexpr int64_t W = V::size();
   const V vm(m);
-  // Summed in blocks of 1024 values, then the block sums (as sum_exp).
-  V acc0(0);
+  V acc(0);
   int64_t i = 0;
   while (i + W <= n) {
     const int64_t end = std::min<int64_t>(n, i + 1024);
@@ -160,52 +162,39 @@ inline A exp_and_sum(const A* src, A* dst, int64_t n, A m) {
     for (; i + 2 * W <= end; i += 2 * W) {
       const V e0 = vexp(V::loadu(src + i) - vm);
       const V e1 = vexp(V::loadu(src + i + W) - vm);
-      e0.store(dst + i);
-      e1.store(dst + i + W);
+      if constexpr (kStore) {
+        e0.store(dst + i);
+        e1.store(dst + i + W);
+      }
       a0 = a0 + e0;
       a1 = a1 + e1;
     }
     for (; i + W <= end; i += W) {
       const V e = vexp(V::loadu(src + i) - vm);
-      e.store(dst + i);
+      if constexpr (kStore) e.store(dst + i);
       a0 = a0 + e;
     }
-    acc0 = acc0 + (a0 + a1);
+    acc = acc + (a0 + a1);
   }
   if (i < n) {
     const int64_t r = n - i;
     const V e = vexp(V::loadu(src + i, r) - vm);
-    e.store(dst + i, r);
-    acc0 = acc0 + V::set(V(0), e, r);  // lanes past the row stay 0
+    if constexpr (kStore) e.store(dst + i, r);
+    acc = acc + V::set(V(0), e, r);  // lanes past the row stay 0
   }
-  return at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, acc0);
+  return at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc);
+}
+
+// dst[i] = exp(src[i] - m); returns the sum. dst may alias src.
+template <typename A>
+inline A exp_and_sum(const A* src, A* dst, int64_t n, A m) {
+  return exp_sum_blocked<true>(src, dst, n, m);
 }
 
 // sum(exp(src - m)) without storing.
 template <typename A>
 inline A sum_exp(const A* src, int64_t n, A m) {
-  using V = Vectorized<A>;
-  constexpr int64_t W = V::size();
-  const V vm(m);
-  // Summed in blocks of 1024 values (two accumulators each), then the block
-  // sums: long rows lose far less to rounding than with one running sum.
-  V acc(0);
-  int64_t i = 0;
-  while (i + W <= n) {
-    const int64_t end = std::min<int64_t>(n, i + 1024);
-    V a0(0), a1(0);
-    for (; i + 2 * W <= end; i += 2 * W) {
-      a0 = a0 + vexp(V::loadu(src + i) - vm);
-      a1 = a1 + vexp(V::loadu(src + i + W) - vm);
-    }
-    for (; i + W <= end; i += W) a0 = a0 + vexp(V::loadu(src + i) - vm);
-    acc = acc + (a0 + a1);
-  }
-  if (i < n) {
-    const int64_t r = n - i;
-    acc = acc + V::set(V(0), vexp(V::loadu(src + i, r) - vm), r);
-  }
-  return at::vec::vec_reduce_all<A>([](V& a, V& b) { return a + b; }, acc);
+  return exp_sum_blocked<false>(src, static_cast<A*>(nullptr), n, m);
 }
 
 // ------------------------------------------------------------------ forward, inner-most dim
