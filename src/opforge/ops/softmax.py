@@ -237,14 +237,16 @@ def _bwd_setup(ctx, inputs, output):
     ctx.save_for_backward(grad, y)
 
 
+def _softmax_backward_grad_y(u, g, y, dim):
+    """d/dy of <u, y * (g - sum(g * y))>: the double backward's gradient for y."""
+    return u * (g - (g * y).sum(dim, keepdim=True)) - g * (u * y).sum(dim, keepdim=True)
+
+
 def _softmax_backward_bwd(ctx, u):
     g, y = ctx.saved_tensors
     dim = ctx.third
     gg = _ns._softmax_backward.default(u, y, dim) if ctx.needs_input_grad[0] else None
-    gy = None
-    if ctx.needs_input_grad[1]:
-        s = (g * y).sum(dim, keepdim=True)
-        gy = u * (g - s) - g * (u * y).sum(dim, keepdim=True)
+    gy = _softmax_backward_grad_y(u, g, y, dim) if ctx.needs_input_grad[1] else None
     return gg, gy, None
 
 
@@ -261,10 +263,7 @@ def _scaled_masked_backward_bwd(ctx, u):
     g, y = ctx.saved_tensors
     scale = ctx.third
     gg = _ns._scaled_masked_softmax_backward.default(u, y, scale) if ctx.needs_input_grad[0] else None
-    gy = None
-    if ctx.needs_input_grad[1]:
-        s = (g * y).sum(-1, keepdim=True)
-        gy = (u * (g - s) - g * (u * y).sum(-1, keepdim=True)) * scale
+    gy = _softmax_backward_grad_y(u, g, y, -1) * scale if ctx.needs_input_grad[1] else None
     return gg, gy, None
 
 
