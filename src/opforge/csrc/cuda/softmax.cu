@@ -45,6 +45,8 @@
 
 #include <cooperative_groups.h>
 
+#include <array>
+#include <atomic>
 #include <limits>
 #include <mutex>
 #include <map>
@@ -876,8 +878,19 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
 }
 
 // Whether this build's kernels can use clusters at all on the current GPU.
+// Asked by every launch: answered once per device, then read without the
+// occupancy cache's lock.
 bool clusters_available() {
-  return cluster_launchable(fwd_rows_kernel<float, 4, 1, sm::Mode::Softmax>, 2, kMaxGroup);
+  static std::array<std::atomic<int8_t>, 64> known{};  // 0 not asked yet, 1 no, 2 yes
+  auto ask = [] { return cluster_launchable(fwd_rows_kernel<float, 4, 1, sm::Mode::Softmax>, 2, kMaxGroup); };
+  const int dev = c10::cuda::current_device();
+  if (dev < 0 || dev >= static_cast<int>(known.size())) return ask();
+  int8_t v = known[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = ask() ? 2 : 1;
+    known[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 2;
 }
 
 // Runs the plan with the persistent, pipelined kernel: as many blocks (or
