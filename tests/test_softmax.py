@@ -575,14 +575,15 @@ PLANS = [
     (4096, (256, 1, 4, False, True)),  # ... a block per row (a split for float64: the plain kernels)
     (3000, (128, 1, 8, False, True)),  # ... rows shorter than the block holds
     (40000, (256, 1, 8, True, True)),  # ... clusters
+    (70000, (256, 1, 16, True, True)),  # ... clusters of threads holding 64 registers of values
 ]
 
 
-def backward_max_vectors(dtype, K):
-    """The backward kernels' limit: 64 registers of two opmath values per element."""
+def max_vectors(dtype, K, arrays):
+    """The kernels' limit: 64 registers of `arrays` opmath values per element (1 forward, 2 backward)."""
     width = 16 // torch.empty((), dtype=dtype).element_size()
     v = width if K % width == 0 else 1  # 16-byte vectors only when rows keep the alignment
-    words = 2 * (2 if dtype == torch.float64 else 1)
+    words = arrays * (2 if dtype == torch.float64 else 1)
     it = 16
     while it > 1 and v * it * words > 64:
         it //= 2
@@ -597,12 +598,12 @@ def test_cuda_explicit_plans(dtype, K, plan):
     M = 6_000_000 // K + 7
     x = rand((M, K), dtype, "cuda", scale=3.0)
     x[1, K // 3] = float("-inf")
+    tpr, rpb, vectors, cluster = plan[:4]
     with poisoned("cuda"):
-        y = torch.ops.opforge._softmax_plan(x, *plan)
+        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), cluster, *plan[4:])
     assert_close(y.cpu(), ref("softmax", x, -1), rtol_scale=max(1.0, K / 100000))
     g = rand((M, K), dtype, "cuda")
-    tpr, rpb, vectors, cluster = plan[:4]
-    vectors = min(vectors, backward_max_vectors(dtype, K))
+    vectors = min(vectors, max_vectors(dtype, K, 2))
     with poisoned("cuda"):
         gx = torch.ops.opforge._softmax_backward_plan(g, y, tpr, rpb, vectors, cluster)
     assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
@@ -621,3 +622,6 @@ def test_cuda_explicit_plan_errors():
         torch.ops.opforge._softmax_plan(x, 32, 4, 1, False)
     with pytest.raises(ValueError, match="threads_per_row must be in \\[1, 512\\], got 0"):
         torch.ops.opforge._softmax_plan(x, 0, 1, 1, False)
+    # 64 registers of float32 values per thread: the persistent kernel runs blocks of up to 256 threads.
+    with pytest.raises(ValueError, match="persistent kernel with 16 vectors per thread runs blocks of at most 256"):
+        torch.ops.opforge._softmax_plan(torch.randn(4, 70000, device="cuda"), 512, 1, 16, True, True)

@@ -16,7 +16,11 @@ For each case (see :mod:`opforge.bench.registry`) and each mode the harness
    cache, so no provider is timed out of a warm cache;
 4. records the peak memory each provider allocates for one call (GPU only);
 5. derives GB/s and % of the floor (the case's bytes over the device-copy
-   bandwidth measured in the same run) or TFLOP/s.
+   bandwidth measured in the same run) or TFLOP/s;
+6. for memory-bound cases on the GPU, times a device copy moving the same bytes (half
+   read, half written, buffers rotated past the cache as the inputs are):
+   the practical ceiling at that size, where launch and ramp-up cost what
+   a 1 GiB copy amortises (% of copy = that copy's time / opforge's).
 
 Modes:
 
@@ -98,6 +102,15 @@ class CaseResult:
     flops: float
     input_sets: int
     providers: dict[str, ProviderResult]
+    copy_ms: float | None = None  # a device copy of the same bytes (memory-bound cases)
+
+    @property
+    def pct_copy(self) -> float | None:
+        """opforge's time as % of a copy of the same bytes (100%: as fast as that copy)."""
+        ours = self.providers.get("opforge")
+        if self.copy_ms is None or ours is None or ours.median_ms is None:
+            return None
+        return 100.0 * self.copy_ms / ours.median_ms
 
     def speedup(self, other: str) -> float | None:
         ours, base = self.providers.get("opforge"), self.providers.get(other)
@@ -396,6 +409,7 @@ def run_case(family: str, case: BenchCase, mode: str, settings: Settings, bandwi
         with _compile_config(key, mode):
             sets = _run_provider(res, fn, case, mode, settings, sets, cache_bytes)
         _metrics(res, nbytes, flops, bandwidth)
+    copy_ms = same_size_copy_ms(nbytes, settings, cache_bytes) if nbytes and settings.device == "cuda" else None
     return CaseResult(
         family=family,
         op=case.op,
@@ -406,7 +420,32 @@ def run_case(family: str, case: BenchCase, mode: str, settings: Settings, bandwi
         flops=flops,
         input_sets=len(sets) if sets else 0,
         providers=results,
+        copy_ms=copy_ms,
     )
+
+
+def same_size_copy_ms(nbytes: int, settings: Settings, cache_bytes: int) -> float | None:
+    """Median time of a device copy reading nbytes / 2 and writing nbytes / 2,
+    cycling through buffers like the providers' inputs so no rep starts from a
+    warm cache."""
+    half = max(nbytes // 2, 1)
+    count = 1 if nbytes >= 4 * cache_bytes else min(MAX_INPUT_SETS, math.ceil(4 * cache_bytes / nbytes))
+    try:
+        pairs = [
+            (torch.empty(half, dtype=torch.uint8, device=settings.device).random_(),
+             torch.empty(half, dtype=torch.uint8, device=settings.device))
+            for _ in range(count)
+        ]
+        state = [0]
+
+        def call():
+            i = state[0] = (state[0] + 1) % count
+            pairs[i][1].copy_(pairs[i][0])
+
+        call()
+        return timing.time_fn(call, settings.device, quick=settings.quick).median_ms
+    except Exception:  # noqa: BLE001  (out of memory: the column stays empty)
+        return None
 
 
 def _compile_config(key: str, mode: str):

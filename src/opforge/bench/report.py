@@ -164,7 +164,7 @@ def rows(run: Run) -> tuple[list[str], list[list[str]]]:
     """The table's header and rows; peak-memory columns only when memory was measured (GPU)."""
     with_mem = any(p.peak_mem_bytes is not None for r in run.results for p in r.providers.values())
     header = ["op", "shape", "dtype", "mode", "opforge ms", "eager ms", "compiled ms", "peer ms",
-              "vs eager", "vs compiled", "vs peer", "opforge rate", "% floor"]
+              "vs eager", "vs compiled", "vs peer", "opforge rate", "% floor", "% of copy"]
     if with_mem:
         header += ["peak MiB opforge/eager/compiled"]
     out = []
@@ -176,7 +176,7 @@ def rows(run: Run) -> tuple[list[str], list[list[str]]]:
             _ms(r.providers["opforge"]), _ms(r.providers["eager"]), _ms(r.providers.get("compiled")),
             (f"{_ms(peer)} ({peer.name})" if peer is not None else "-"),
             _x(r.speedup("eager")), _x(r.speedup("compiled")), _x(r.speedup("peer")),
-            rate, pct,
+            rate, pct, "-" if r.pct_copy is None else f"{r.pct_copy:.0f}%",
         ]
         if with_mem:
             row.append("/".join(_mib(r.providers.get(k)) for k in ("opforge", "eager", "compiled")))
@@ -222,7 +222,8 @@ def table(run: Run) -> str:
     notes = _notes(run)
     if notes:
         lines += ["", *notes]
-    lines.append(f"\ntimes: median ms; speedup = provider time / opforge time; % floor = opforge GB/s / device-copy GB/s. {run.seconds:.0f} s.")
+    lines.append(f"\ntimes: median ms; speedup = provider time / opforge time; % floor = opforge GB/s / device-copy GB/s; "
+                 f"% of copy = time of a copy of the same bytes / opforge time. {run.seconds:.0f} s.")
     return "\n".join(lines)
 
 
@@ -237,7 +238,9 @@ def markdown(run: Run) -> str:
         *([f"**{busy_warning(run)}**", ""] if busy_warning(run) else []),
         f"Commit `{env.get('git_commit')}`, measured {env['date_utc']}, {run.seconds:.0f} s in all. "
         "Times are medians in milliseconds; p20/p80 are in the JSON. Speedup = the other provider's time / opforge's. "
-        "% floor = opforge's GB/s over the device-copy bandwidth measured in the same run. See docs/bench.md for the method.",
+        "% floor = opforge's GB/s over the device-copy bandwidth measured in the same run; "
+        "% of copy = the time of a device copy moving the same bytes / opforge's time (the practical ceiling at that size). "
+        "See docs/bench.md for the method.",
         "",
         "| " + " | ".join(header) + " |",
         "| " + " | ".join("---" if i < 4 else "---:" for i in range(len(header))) + " |",
@@ -279,6 +282,8 @@ def to_json(run: Run) -> dict:
                 "bytes": r.bytes,
                 "flops": r.flops,
                 "input_sets": r.input_sets,
+                "copy_ms": r.copy_ms,
+                "pct_copy": r.pct_copy,
                 "speedup_vs_eager": r.speedup("eager"),
                 "speedup_vs_compiled": r.speedup("compiled"),
                 "speedup_vs_peer": r.speedup("peer"),

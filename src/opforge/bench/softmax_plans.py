@@ -53,7 +53,13 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
     the plain kernels and with the persistent kernel that streams rows
     through shared memory.
     """
-    v = 16 // torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    v = 16 // size
+
+    def stream_fits(block: int, it: int) -> bool:
+        # The persistent kernel holding 64 registers of 4- or 8-byte values runs blocks of up to 256 threads.
+        return size == 2 or block <= 256 or v * it * (2 if size == 8 else 1) < 64
+
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
         for tpr in _pow2(1, 512):
@@ -64,12 +70,12 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
                 for rpb in _pow2(1, 512 // tpr):
                     if tpr * rpb in (128, 256, 512) or (rpb == 1 and tpr * rpb > 512 // 2):
                         out.append((tpr, rpb, it, False))
-                        if arrays == 1:
+                        if arrays == 1 and stream_fits(tpr * rpb, it):
                             out.append((tpr, rpb, it, False, True))
             elif tpr >= 256:
                 if math.ceil(k / cap) <= 16:
                     out.append((tpr, 1, it, True))
-                    if arrays == 1:
+                    if arrays == 1 and stream_fits(tpr, it):
                         out.append((tpr, 1, it, True, True))
                 if math.ceil(k / cap) <= 64:
                     out.append((tpr, 1, it, False))
@@ -126,7 +132,7 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
             got = fn(*sets[0])
             ok = name == "copy" or torch.allclose(got.float(), want.float(), rtol=2e-2, atol=1e-3)
             ms = _timed(fn, sets) if ok else None
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             ok, ms = False, None
             name = f"{name} ({str(exc).splitlines()[0][:80]})"
         rows.append({"shape": f"{m}x{k}", "dtype": str(dtype).removeprefix("torch."), "mode": mode, "plan": name,

@@ -9,9 +9,11 @@
 //    reductions by shuffles only, several rows per block;
 //  * medium rows: a block per row, the row held in registers, so the input is
 //    read once and the output written once;
-//  * long forward rows: a persistent kernel (fwd_stream_kernel) whose
-//    threads queue their next row's copies into shared memory (cp.async)
-//    while the current row is reduced and written;
+//  * long forward rows of the half types: a persistent kernel
+//    (fwd_stream_kernel) whose threads queue their next row's copies into
+//    shared memory (cp.async) while the current row is reduced and written;
+//    4- and 8-byte rows up to 512 threads x 64 registers of values stay in
+//    one block per row;
 //  * rows longer than a block, on Hopper and later: the row is split over a
 //    cluster of up to 16 blocks, each holding its chunk in registers; the
 //    blocks exchange their chunk's (max, sum of exp) through distributed
@@ -22,7 +24,10 @@
 //    partials and writes its chunk. Rows are processed in batches that fit
 //    in half the L2 cache, so pass 2's re-read of the input is served by L2.
 // Loads and stores are 16-byte vectors when K is a multiple of the vector
-// width and the pointers are aligned, scalar otherwise.
+// width and the pointers are aligned, scalar otherwise; a thread issues all
+// its loads before it uses any value. Row kernels are built to keep two
+// 512-thread blocks per SM (64 registers) unless a thread holds 64 registers
+// of values; none spills (ptxas -v).
 //
 // Outer dims (inner > 1): a thread per (outer, inner) column; consecutive
 // threads read consecutive inner elements, so every pass is coalesced and no
@@ -51,6 +56,7 @@
 #include <mutex>
 #include <map>
 #include <tuple>
+#include <type_traits>
 
 #include "softmax_host.h"
 
@@ -65,6 +71,25 @@ using Acc = at::opmath_type<T>;
 // Threads per row at most (and the launch bound): 512 threads leave 128
 // registers per thread, room for 64 values held in registers without spills.
 constexpr int kMaxGroup = 512;
+
+// 32-bit registers of opmath values a thread of a row kernel holds.
+template <typename T, int V, int IT, int ARRAYS>
+constexpr int value_words() {
+  return V * IT * ARRAYS * static_cast<int>(sizeof(at::opmath_type<T>) / 4);
+}
+
+// Blocks of 512 threads the row kernels are built to fit on an SM at once:
+// two (64 registers per thread) when a thread holds at most 32 registers of
+// values, as the common plans do, whose occupancy would otherwise halve
+// for a few registers past 64; one (128 registers) beyond. The masked
+// forward (mask and index arithmetic), scalar loads of unaligned rows and
+// float64 each need more registers beside the values: each halves the
+// values that still allow two blocks.
+template <typename T, int V, int IT, int ARRAYS, sm::Mode MODE>
+constexpr int rows_min_blocks() {
+  const int roomy = (MODE == sm::Mode::ScaledMasked && ARRAYS == 1) + (V == 1) + (sizeof(at::opmath_type<T>) == 8);
+  return value_words<T, V, IT, ARRAYS>() <= (32 >> roomy) ? 2 : 1;
+}
 
 template <typename A>
 __device__ __forceinline__ A neg_inf() {
@@ -87,6 +112,22 @@ template <typename A>
 __device__ __forceinline__ A max_nan(A a, A b) {
   return (a > b || a != a) ? a : b;
 }
+// float: one instruction from sm_80 on (max.NaN) instead of two compares and
+// a select, which matters where every element goes through it.
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a > b || a != a) ? a : b;
+#endif
+}
+
+// x / G and x % G for the group size G, always a power of two: shifts and
+// masks rather than integer divisions by a runtime value.
+__device__ __forceinline__ int div_group(int x, int G) { return x >> (__ffs(G) - 1); }
+__device__ __forceinline__ int mod_group(int x, int G) { return x & (G - 1); }
 
 struct MaxOp {
   template <typename A>
@@ -115,7 +156,7 @@ __device__ __forceinline__ A group_reduce(A v, int G, Op op, A* smem) {
   if (threadIdx.x % 32 == 0) smem[warp] = v;
   __syncthreads();
   const int nw = G / 32;
-  const int first = (threadIdx.x / G) * nw;
+  const int first = div_group(threadIdx.x, G) * nw;
   A r = smem[first];
   for (int i = 1; i < nw; ++i) r = op(r, smem[first + i]);
   return r;
@@ -189,13 +230,17 @@ __device__ __forceinline__ A cluster_sum(A v) {
 #endif
 }
 
-// Where a group of threads works: row `row` (valid or not), elements
-// [begin, end) of it.
+// Where a group of threads works: row `row` (valid or not), its `len`
+// elements from `begin` on. A segment is never longer than a block holds
+// (512 threads x 64 values), so offsets in it are 32-bit.
 struct Segment {
   int64_t row;
   bool valid;
-  int64_t begin, end;
+  int64_t begin;
+  int len;
   int lane;  // index in the group
+  // Offset in the segment of the thread's vector `it` (V elements each).
+  __device__ __forceinline__ int offset(int it, int G, int V) const { return (it * G + lane) * V; }
 };
 
 // phase 0: the whole row per group (rows per block = blockDim.x / G).
@@ -204,39 +249,76 @@ struct Segment {
 __device__ __forceinline__ Segment make_segment(int G, int phase, int64_t row0, int64_t rows, int64_t K,
                                                 int64_t chunk) {
   Segment s;
-  s.lane = threadIdx.x % G;
+  s.lane = mod_group(threadIdx.x, G);
   if (phase == 0) {
-    s.row = row0 + static_cast<int64_t>(blockIdx.x) * (blockDim.x / G) + threadIdx.x / G;
+    s.row = row0 + static_cast<int64_t>(blockIdx.x) * div_group(blockDim.x, G) + div_group(threadIdx.x, G);
     s.begin = 0;
-    s.end = K;
+    s.len = static_cast<int>(K);
   } else {
     s.row = row0 + blockIdx.y;
     s.begin = static_cast<int64_t>(blockIdx.x) * chunk;
-    s.end = min(K, s.begin + chunk);
+    s.len = static_cast<int>(min(K - s.begin, chunk));
   }
   s.valid = s.row < rows;
   return s;
 }
 
-// Loads element positions begin + (it * G + lane) * V + v of `p` (a row) as
-// opmath; positions >= end (or an invalid row, or `limit` and above) get `fill`.
+// Whether T's values are converted to a wider opmath type when loaded.
+template <typename T>
+constexpr bool kWidened = !std::is_same_v<T, Acc<T>>;
+
+// Issues the 16-byte (or scalar) loads of the segment's elements
+// s.offset(it) + v of `p` (a row); ok[it] says whether vector it lies in the
+// row (a valid row, at an offset below `limit`, which is at most s.len; with
+// V > 1 a vector is wholly in or out, K being a multiple of V). Half types
+// load all their vectors before converting any (to_opmath), so a thread's
+// loads are in flight together rather than each waiting for the previous
+// conversion.
 template <typename T, int V, int IT>
-__device__ __forceinline__ void load_row(const T* __restrict__ p, const Segment& s, int G, int64_t limit,
-                                         Acc<T> fill, Acc<T> (&vals)[IT][V]) {
+__device__ __forceinline__ void load_raw(const T* __restrict__ p, const Segment& s, int G, int limit,
+                                         AlignedVec<T, V> (&raw)[IT], bool (&ok)[IT]) {
+  const T* q = p + s.begin;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
-    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
-    if (s.valid && base < s.end && base < limit) {
-      if constexpr (V > 1) {
-        const auto vec = opforge::cuda::load_vec<T, V>(p, base / V);
+    const int off = s.offset(it, G, V);
+    ok[it] = s.valid && off < limit;
+    if (ok[it]) raw[it] = opforge::cuda::load_vec<T, V>(q, off / V);
+  }
+}
+
+template <typename T, int V, int IT>
+__device__ __forceinline__ void to_opmath(const AlignedVec<T, V> (&raw)[IT], const bool (&ok)[IT], Acc<T> fill,
+                                          Acc<T> (&vals)[IT][V]) {
 #pragma unroll
-        for (int v = 0; v < V; ++v) vals[it][v] = static_cast<Acc<T>>(vec.val[v]);
+  for (int it = 0; it < IT; ++it)
+#pragma unroll
+    for (int v = 0; v < V; ++v) vals[it][v] = ok[it] ? static_cast<Acc<T>>(raw[it].val[v]) : fill;
+}
+
+// A row's values as opmath, `fill` outside it (see load_raw). float and
+// double load straight into the values: no conversion to wait for, and
+// fewer live registers than staging the raw vectors.
+template <typename T, int V, int IT>
+__device__ __forceinline__ void load_row(const T* __restrict__ p, const Segment& s, int G, int limit,
+                                         Acc<T> fill, Acc<T> (&vals)[IT][V]) {
+  if constexpr (kWidened<T>) {
+    AlignedVec<T, V> raw[IT];
+    bool ok[IT];
+    load_raw<T, V, IT>(p, s, G, limit, raw, ok);
+    to_opmath<T, V, IT>(raw, ok, fill, vals);
+  } else {
+    const T* q = p + s.begin;
+#pragma unroll
+    for (int it = 0; it < IT; ++it) {
+      const int off = s.offset(it, G, V);
+      if (s.valid && off < limit) {
+        const auto vec = opforge::cuda::load_vec<T, V>(q, off / V);
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] = vec.val[v];
       } else {
-        vals[it][0] = static_cast<Acc<T>>(p[base]);
-      }
-    } else {
 #pragma unroll
-      for (int v = 0; v < V; ++v) vals[it][v] = fill;
+        for (int v = 0; v < V; ++v) vals[it][v] = fill;
+      }
     }
   }
 }
@@ -244,18 +326,15 @@ __device__ __forceinline__ void load_row(const T* __restrict__ p, const Segment&
 template <typename T, int V, int IT>
 __device__ __forceinline__ void store_row(T* __restrict__ p, const Segment& s, int G, const Acc<T> (&vals)[IT][V]) {
   if (!s.valid) return;
+  T* q = p + s.begin;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
-    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
-    if (base < s.end) {
-      if constexpr (V > 1) {
-        AlignedVec<T, V> vec;
+    const int off = s.offset(it, G, V);
+    if (off < s.len) {
+      AlignedVec<T, V> vec;
 #pragma unroll
-        for (int v = 0; v < V; ++v) vec.val[v] = static_cast<T>(vals[it][v]);
-        opforge::cuda::store_vec<T, V>(p, base / V, vec);
-      } else {
-        p[base] = static_cast<T>(vals[it][0]);
-      }
+      for (int v = 0; v < V; ++v) vec.val[v] = static_cast<T>(vals[it][v]);
+      opforge::cuda::store_vec<T, V>(q, off / V, vec);
     }
   }
 }
@@ -280,14 +359,14 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
     for (int v = 0; v < V; ++v) m = max_nan(m, vals[it][v]);
   m = group_reduce(m, G, MaxOp{}, smem);
 
-  // sum of exp over the segment's elements (positions past the end skipped)
+  // sum of exp over the segment's elements (vectors past the end skipped;
+  // a vector is wholly in or out of the row, see load_raw)
   A sum = 0;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
-    const int64_t base = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V;
+    if (s.offset(it, G, V) < s.len) {
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      if (base + v < s.end) {
+      for (int v = 0; v < V; ++v) {
         const A e = elem_exp(vals[it][v] - m);
         sum += e;
         if constexpr (MODE != sm::Mode::LogSoftmax) vals[it][v] = e;
@@ -363,7 +442,7 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
 }
 
 template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int G, int phase, int64_t row0,
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>())) fwd_rows_kernel(sm::FwdArgs a, int G, int phase, int64_t row0,
                                                              int64_t rows, int64_t chunk, Acc<T>* partials,
                                                              int nchunks) {
   using A = Acc<T>;
@@ -374,19 +453,21 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
   T* y = static_cast<T*>(a.out) + s.row * K;
 
   A vals[IT][V];
-  int64_t limit = K;
+  int limit = s.len;  // segment offsets from here on are not read
   if constexpr (MODE == sm::Mode::ScaledMasked) {
     // Causal: keys after the query are never read.
-    if (a.causal) limit = s.row % a.Lq + 1;
+    if (a.causal) {
+      const int64_t keys = s.row % a.Lq + 1 - s.begin;
+      limit = keys < 0 ? 0 : (keys < s.len ? static_cast<int>(keys) : s.len);
+    }
   }
   load_row<T, V, IT>(x, s, G, limit, neg_inf<A>(), vals);
 
   if constexpr (MODE == sm::Mode::ScaledMasked) {
     const int64_t moff = a.mask != nullptr && s.valid ? a.mask_rows(s.row) : 0;
-    const int64_t stop = s.end < limit ? s.end : limit;
 #pragma unroll
     for (int it = 0; it < IT; ++it) {
-      if (s.valid && a.mask == nullptr && s.begin + (static_cast<int64_t>(it) * G + s.lane + 1) * V <= stop) {
+      if (s.valid && a.mask == nullptr && s.offset(it, G, V) + V <= limit) {
         // The whole vector lies in the row, before the causal limit: scale only.
 #pragma unroll
         for (int v = 0; v < V; ++v) vals[it][v] *= static_cast<A>(a.scale);
@@ -394,8 +475,9 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
       }
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        const int64_t j = s.begin + (static_cast<int64_t>(it) * G + s.lane) * V + v;
-        if (!s.valid || j >= s.end || j >= limit) {
+        const int off = s.offset(it, G, V) + v;
+        const int64_t j = s.begin + off;
+        if (!s.valid || off >= limit) {
           vals[it][v] = neg_inf<A>();  // past the row, or a key after the query
           continue;
         }
@@ -423,8 +505,19 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_rows_kernel(sm::FwdArgs a, int 
 // land while this row is reduced and written: the memory system does not
 // wait for the block's reductions. Each thread copies exactly the slots it
 // later reads, so no barrier guards them. With nchunks > 1 the row is split over the cluster as in phase 3.
+// Most threads per block of the persistent kernel. With 64 registers of
+// float32 or float64 values per thread (16-byte vectors of 4 or 8 bytes:
+// twice the copies in flight of the half types' 64 values) the kernel needs
+// more than the 128 registers a 512-thread block leaves, so those
+// instantiations are built for blocks of up to 256 threads; the default
+// plans respect it and an explicit plan asking for more is refused.
+template <typename T, int V, int IT>
+constexpr int stream_max_threads() {
+  return !kWidened<T> && V * IT * static_cast<int>(sizeof(Acc<T>)) / 4 >= 64 ? 256 : kMaxGroup;
+}
+
 template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup) fwd_stream_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk,
+__global__ void __launch_bounds__(stream_max_threads<T, V, IT>(), 1) fwd_stream_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk,
                                                                int nchunks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using A = Acc<T>;
@@ -433,12 +526,12 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_stream_kernel(sm::FwdArgs a, in
   __shared__ A smem[32];
   Vec* stages = reinterpret_cast<Vec*>(stream_smem);  // [IT][blockDim.x]
   const int64_t K = a.K;
-  const int rows_per_block = blockDim.x / G;
+  const int rows_per_block = div_group(blockDim.x, G);
   Segment s;
-  s.lane = threadIdx.x % G;
+  s.lane = mod_group(threadIdx.x, G);
   s.begin = nchunks > 1 ? static_cast<int64_t>(blockIdx.x) * chunk : 0;
-  s.end = nchunks > 1 ? min(K, s.begin + chunk) : K;
-  const int group = threadIdx.x / G;
+  s.len = static_cast<int>(nchunks > 1 ? min(K - s.begin, chunk) : K);
+  const int group = div_group(threadIdx.x, G);
   const int64_t step = static_cast<int64_t>(gridDim.y) * rows_per_block;
   const T* x = static_cast<const T*>(a.in);
   T* y = static_cast<T*>(a.out);
@@ -446,7 +539,7 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_stream_kernel(sm::FwdArgs a, in
   // Slots of this thread: vector it at stages[it * blockDim.x + threadIdx.x].
   const uint32_t slot0 = opforge::cuda::smem_u32(&stages[threadIdx.x]);
   const uint32_t slot_step = blockDim.x * sizeof(Vec);
-  const int avail = static_cast<int>(s.end - s.begin) - s.lane * V;  // elements from this thread's first slot on
+  const int avail = s.len - s.lane * V;  // elements from this thread's first slot on
   auto issue = [&](int64_t base) {
     const int64_t row = base + group;
     const bool row_ok = row < rows;
@@ -494,7 +587,7 @@ __global__ void __launch_bounds__(kMaxGroup) fwd_stream_kernel(sm::FwdArgs a, in
 // ------------------------------------------------------------------ backward, inner-most dim
 
 template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup) bwd_rows_kernel(sm::BwdArgs a, int G, int phase, int64_t row0,
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>())) bwd_rows_kernel(sm::BwdArgs a, int G, int phase, int64_t row0,
                                                              int64_t rows, int64_t chunk, Acc<T>* partials,
                                                              int nchunks) {
   using A = Acc<T>;
@@ -504,8 +597,18 @@ __global__ void __launch_bounds__(kMaxGroup) bwd_rows_kernel(sm::BwdArgs a, int 
   const int64_t off = s.row * K;
 
   A g[IT][V], o[IT][V];
-  load_row<T, V, IT>(static_cast<const T*>(a.grad) + off, s, G, K, A(0), g);
-  load_row<T, V, IT>(static_cast<const T*>(a.out) + off, s, G, K, A(0), o);
+  if constexpr (kWidened<T>) {
+    // Both rows' loads in flight before any conversion.
+    AlignedVec<T, V> graw[IT], oraw[IT];
+    bool ok[IT];
+    load_raw<T, V, IT>(static_cast<const T*>(a.grad) + off, s, G, s.len, graw, ok);
+    load_raw<T, V, IT>(static_cast<const T*>(a.out) + off, s, G, s.len, oraw, ok);
+    to_opmath<T, V, IT>(graw, ok, A(0), g);
+    to_opmath<T, V, IT>(oraw, ok, A(0), o);
+  } else {
+    load_row<T, V, IT>(static_cast<const T*>(a.grad) + off, s, G, s.len, A(0), g);
+    load_row<T, V, IT>(static_cast<const T*>(a.out) + off, s, G, s.len, A(0), o);
+  }
 
   A sum = 0;
 #pragma unroll
@@ -692,12 +795,16 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //  * rows up to 32 x 16 values: a slice of a warp (or a warp) per row,
 //    several rows per 128-thread block;
 //  * rows up to 512 threads x E: a block per row;
+//  * 4- and 8-byte forward rows up to 512 threads x 64 registers of values:
+//    still one block per row;
 //  * longer rows on GPUs with clusters: a cluster of up to 16 blocks, of 256
-//    or 512 threads with E or 2E values each (forward), or of 512 threads
-//    with 64 registers of values (backward);
+//    or 512 threads with E or 2E values each (forward; 4- and 8-byte types
+//    first try 512 threads x 2E), or of 512 threads with 64 registers of
+//    values (backward);
 //  * otherwise one block of up to itmax vectors per thread, else the
 //    two-pass split.
-// Long forward rows take the persistent, pipelined kernel (default_request).
+// Long forward rows of the half types take the persistent, pipelined kernel
+// (default_request).
 // itmax / itlight: vectors per thread in 64 / 32 registers of values.
 PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
   const int e_short = 16, e_long = 32;
@@ -712,15 +819,24 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
     const int G = static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it_rows)));
     return {G, G < 128 ? 128 / G : 1, it_rows, false};
   }
+  auto one_block = [&] {
+    int it = it_long;
+    while (ceil_div(K, int64_t{V} * it) > kMaxGroup) it *= 2;
+    return PlanRequest{static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it))), 1, it, false};
+  };
+  const bool narrow = V >= 8;
+  // 4- and 8-byte forward: one block with up to 64 registers of values per
+  // thread holds the row faster than a cluster does (measured).
+  if (arrays == 1 && !narrow && K <= int64_t{kMaxGroup} * V * itmax) return one_block();
   if (clusters) {
     // (threads, vectors per thread) in order of preference; the first whose
     // cluster has at most 16 blocks wins. The forward's measured best:
-    // 4-byte types favour more values per thread, 2-byte types more threads.
-    const bool narrow = V >= 8;
-    const int fwd[4][2] = {{256, it_long},
+    // 4-byte types favour the most values per thread, 2-byte types more
+    // threads.
+    const int fwd[4][2] = {{narrow ? 256 : kMaxGroup, narrow ? it_long : 2 * it_long},
                            {narrow ? kMaxGroup : 256, narrow ? it_long : 2 * it_long},
                            {narrow ? 256 : kMaxGroup, narrow ? 2 * it_long : it_long},
-                           {kMaxGroup, 2 * it_long}};
+                           {narrow ? kMaxGroup : 256, narrow ? 2 * it_long : it_long}};
     const int bwd[1][2] = {{kMaxGroup, itmax}};
     const int n = arrays == 1 ? 4 : 1;
     for (int i = 0; i < n; ++i) {
@@ -729,30 +845,24 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
       if (it <= itmax && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true};
     }
   }
-  if (K <= int64_t{kMaxGroup} * V * itmax) {
-    int it = it_long;
-    while (ceil_div(K, int64_t{V} * it) > kMaxGroup) it *= 2;
-    return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it))), 1, it, false};
-  }
+  if (K <= int64_t{kMaxGroup} * V * itmax) return one_block();
   return {kMaxGroup, 1, itlight, false};
 }
 
 PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
-  // Long forward rows: the persistent kernel with 64 registers of values per
-  // thread, one block per row while 512 threads (256 for 4-byte types) hold
-  // it, else a cluster of blocks of 256 threads (512 past 8 blocks). The measured best from 8192
-  // elements on for 2-byte types, from 16384 on for 4-byte ones; shorter
-  // rows are fastest with the plain kernels.
-  const int64_t stream_from = V >= 8 ? 8192 : 16384;
-  if (arrays == 1 && K >= stream_from) {
-    const int64_t per_block = int64_t{kMaxGroup} * V * itmax;
-    const int single = V >= 8 ? kMaxGroup : 256;  // 4-byte types: 512 such threads fill an SM alone
-    if (K <= int64_t{single} * V * itmax) {
+  // Long forward rows of the half types (16-byte vectors of 8 values) from
+  // 8192 elements on: the persistent kernel with 64 registers of values per
+  // thread, one block per row while 512 threads hold it, else a cluster of
+  // blocks of 256 threads (512 past 8 blocks): the measured best. For 4- and
+  // 8-byte types the plain kernels measured faster at every length.
+  if (arrays == 1 && V >= 8 && K >= 8192) {
+    if (K <= int64_t{kMaxGroup} * V * itmax) {
       return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * itmax))), 1, itmax, false, true};
     }
-    const int64_t c256 = ceil_div(K, int64_t{256} * V * itmax);
-    if (clusters && c256 <= 8) return {256, 1, itmax, true, true};
-    if (clusters && ceil_div(K, per_block) <= kMaxCluster) return {kMaxGroup, 1, itmax, true, true};
+    if (clusters && ceil_div(K, int64_t{256} * V * itmax) <= 8) return {256, 1, itmax, true, true};
+    if (clusters && ceil_div(K, int64_t{kMaxGroup} * V * itmax) <= kMaxCluster) {
+      return {kMaxGroup, 1, itmax, true, true};
+    }
   }
   return default_shape(K, V, itmax, itlight, clusters, arrays);
 }
@@ -899,7 +1009,10 @@ bool clusters_available() {
 // clusters refused): the caller runs the plain kernels instead.
 template <typename T, int V, int IT, sm::Mode MODE>
 bool launch_stream(const Plan& p, const sm::FwdArgs& a) {
-  if (p.kind == Kind::Split || at::cuda::getCurrentDeviceProperties()->major < 8) return false;
+  if (p.kind == Kind::Split || p.block > stream_max_threads<T, V, IT>() ||
+      at::cuda::getCurrentDeviceProperties()->major < 8) {
+    return false;
+  }
   auto kernel = fwd_stream_kernel<T, V, IT, MODE>;
   const int smem = IT * p.block * 16;  // a 16-byte slot per vector of each thread
   const bool cluster = p.kind == Kind::Cluster;
@@ -974,6 +1087,11 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       if constexpr (MODE != sm::Mode::ScaledMasked && V > 1) {
+        constexpr int most = stream_max_threads<T, V, IT>();
+        TORCH_CHECK_VALUE(!(p.stream && req != nullptr && p.block > most),
+                          "opforge softmax plan: the persistent kernel with ", opforge::num(IT),
+                          " vectors per thread runs blocks of at most ", opforge::num(most), " threads for ",
+                          c10::toString(c10::CppTypeToScalarType<T>::value), ", got ", opforge::num(p.block));
         if (p.stream && launch_stream<T, V, IT, MODE>(p, a)) return;
       }
       run_plan<A>(p, fwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, sizeof(T), 2, x.options());
