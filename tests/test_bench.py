@@ -198,6 +198,9 @@ def test_report_memory_columns():
     header, rows = report.rows(run)
     assert header[-1] == "peak MiB opforge/eager/compiled" and rows[0][-1] == "2/6/4"
     assert rows[0][8] == "2.00x" and rows[0][9] == "1.50x" and rows[0][12] == "50%"
+    assert header[13] == "% of copy" and rows[0][13] == "-"  # no copy timed
+    res.copy_ms = 0.8  # a copy of the same bytes took 0.8 ms, opforge 1.0 ms
+    assert report.rows(run)[1][0][13] == "80%" and report.to_json(run)["results"][0]["pct_copy"] == pytest.approx(80.0)
 
 
 @pytest.mark.cuda
@@ -209,6 +212,7 @@ def test_tiny_run_cuda(families):
         assert tiny.providers[key].status == "ok"
         assert tiny.providers[key].median_ms > 0 and tiny.providers[key].peak_mem_bytes is not None
     assert by_op[("tiny_wrong", "fwd")].providers["opforge"].status == "WRONG"
+    assert tiny.bytes == 2 * 4096 * 4 and tiny.copy_ms > 0 and tiny.pct_copy > 0  # a copy of the same 32 KiB timed
     assert run.environment["gpu"] and run.copy_bandwidth_gbps > 100
     assert run.cache_bytes >= 1 << 20
 
