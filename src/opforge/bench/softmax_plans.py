@@ -47,11 +47,12 @@ def max_vectors(dtype: torch.dtype, arrays: int) -> int:
 
 
 def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
-    """(threads_per_row, rows_per_block, vectors_per_thread, cluster[, stream]) plans worth timing for rows of k.
+    """(threads_per_row, rows_per_block, vectors_per_thread, cluster[, stream or loop]) plans worth timing for rows of k.
 
     Forward plans that hold a row in one block or a cluster come twice: with
     the plain kernels and with the persistent kernel that streams rows
-    through shared memory.
+    through shared memory. Backward rows longer than a block holds also get
+    looping plans (a block per row walking it twice in tiles).
     """
     size = torch.empty((), dtype=dtype).element_size()
     v = 16 // size
@@ -72,7 +73,11 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
                         out.append((tpr, rpb, it, False))
                         if arrays == 1 and stream_fits(tpr * rpb, it):
                             out.append((tpr, rpb, it, False, True))
-            elif tpr >= 256:
+            elif tpr >= 128:
+                if arrays == 2:
+                    out.append((tpr, 1, it, False, True))  # a block per row walking it twice
+                if tpr < 256:
+                    continue
                 if math.ceil(k / cap) <= 16:
                     out.append((tpr, 1, it, True))
                     if arrays == 1 and stream_fits(tpr, it):
@@ -141,7 +146,8 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
     for name, fn in providers.items():
         record(name, fn)
     for plan in candidates(k, dtype, arrays):
-        kind = ("cluster" if plan[3] else "-") + ("/stream" if len(plan) > 4 and plan[4] else "")
+        extra = "/stream" if mode == "fwd" else "/loop"
+        kind = ("cluster" if plan[3] else "-") + (extra if len(plan) > 4 and plan[4] else "")
         record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, plan=plan: plan_op(*a, *plan))
     return rows
 
