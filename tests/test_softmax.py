@@ -561,7 +561,7 @@ def test_cuda_misaligned_vector_fallback():
 
 
 # Explicit launch plans (threads per row, rows per block, vectors per thread,
-# cluster): every kind of plan the default heuristic may choose, on row
+# cluster[, stream]): every kind of plan the default heuristic may choose, on row
 # lengths that fill a block exactly, partly, or spill into a last chunk.
 PLANS = [
     (64, (32, 4, 1, False)),  # warp per row, several rows per block

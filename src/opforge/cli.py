@@ -1,4 +1,4 @@
-"""The ``opforge`` command: ``info``, ``bench``, ``demo``, ``cache``, ``new``, ``doctor``.
+"""The ``opforge`` command: ``info``, ``bench``, ``demo``, ``cache``, ``new``, ``doctor``, ``ptxas``.
 
 Run it as ``opforge ...`` (installed) or ``python -m opforge_cli ...``.
 """
@@ -45,6 +45,12 @@ def _cmd_doctor(args) -> int:
     return doctor.main(check_kernels=not args.no_kernels)
 
 
+def _cmd_ptxas(args) -> int:
+    from . import ptxas_report
+
+    return ptxas_report.main(args.files, log=args.log, arch=args.arch, includes=args.include)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opforge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check the toolchain a build needs and say how to fix what is missing")
     p.add_argument("--no-kernels", action="store_true", help="skip loading opforge's kernels (in a subprocess)")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("ptxas", help="registers and spills of CUDA kernels (ptxas -v); exit 1 if any spills")
+    p.add_argument("files", nargs="*", help=".cu files to compile (default: every CUDA source of opforge)")
+    p.add_argument("--log", help="read a build log made with OPFORGE_PTXAS_VERBOSE=1 instead of compiling")
+    p.add_argument("--arch", default="90", help="compute capability to compile for, e.g. 90 (default) or 80")
+    p.add_argument("--include", "-I", action="append", default=[], help="another include folder (repeatable)")
+    p.set_defaults(func=_cmd_ptxas)
 
     from .bench.cli_args import add_parsers as add_bench_parsers
 

@@ -300,6 +300,10 @@ class SourceSet:
             # for themselves): wider vectors for at::vec.
             cxx.append("-march=native")
         nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"] + defines + self.nvcc_flags
+        if os.environ.get("OPFORGE_PTXAS_VERBOSE") == "1":
+            # Registers and spills of every kernel in the build's output
+            # (read back by `opforge ptxas --log`).
+            nvcc += ["-Xptxas", "-v"]
         return cxx, nvcc
 
     def all_include_dirs(self, with_cuda: bool) -> list[str]:
