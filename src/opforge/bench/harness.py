@@ -17,10 +17,10 @@ For each case (see :mod:`opforge.bench.registry`) and each mode the harness
 4. records the peak memory each provider allocates for one call (GPU only);
 5. derives GB/s and % of the floor (the case's bytes over the device-copy
    bandwidth measured in the same run) or TFLOP/s;
-6. for memory-bound cases on the GPU, times a device copy moving the same bytes (half
-   read, half written, buffers rotated past the cache as the inputs are):
-   the practical ceiling at that size, where launch and ramp-up cost what
-   a 1 GiB copy amortises (% of copy = that copy's time / opforge's).
+6. for memory-bound cases on the GPU, times a device copy moving the same
+   bytes (half read, half written, buffers rotated past the cache as the
+   inputs are): the practical ceiling at that size, where launch and ramp-up
+   cost what a 1 GiB copy amortises (% of copy = that copy's time / opforge's).
 
 Modes:
 
@@ -444,7 +444,7 @@ def same_size_copy_ms(nbytes: int, settings: Settings, cache_bytes: int) -> floa
 
         call()
         return timing.time_fn(call, settings.device, quick=settings.quick).median_ms
-    except Exception:  # noqa: BLE001  (out of memory: the column stays empty)
+    except RuntimeError:  # out of memory (torch.OutOfMemoryError): the column stays empty
         return None
 
 
