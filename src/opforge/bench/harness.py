@@ -270,11 +270,17 @@ def _check_provider(fn, case: BenchCase, mode: str, reference_fn) -> None:
             _check_close(g, w, case.dtype, case, f"grad of input {case.grad_inputs[i]}")
 
 
+def input_set_count(nbytes: int, cache_bytes: int) -> int:
+    """How many sets of ``nbytes`` to cycle through so that together they span
+    4x the last-level cache (one when a set alone does), at most MAX_INPUT_SETS."""
+    nbytes = max(nbytes, 1)
+    return 1 if nbytes >= 4 * cache_bytes else min(MAX_INPUT_SETS, math.ceil(4 * cache_bytes / nbytes))
+
+
 def _input_sets(case: BenchCase, mode: str, cache_bytes: int) -> list[list]:
     """One input set, or several when one is smaller than 4x the last-level cache."""
     first = _prepare_inputs(case, mode)
-    size = max(_nbytes(first), case.bytes_fwd, 1)
-    count = 1 if size >= 4 * cache_bytes else min(MAX_INPUT_SETS, math.ceil(4 * cache_bytes / size))
+    count = input_set_count(max(_nbytes(first), case.bytes_fwd), cache_bytes)
     return [first] + [_prepare_inputs(case, mode) for _ in range(count - 1)]
 
 
@@ -429,7 +435,7 @@ def same_size_copy_ms(nbytes: int, settings: Settings, cache_bytes: int) -> floa
     cycling through buffers like the providers' inputs so no rep starts from a
     warm cache."""
     half = max(nbytes // 2, 1)
-    count = 1 if nbytes >= 4 * cache_bytes else min(MAX_INPUT_SETS, math.ceil(4 * cache_bytes / nbytes))
+    count = input_set_count(nbytes, cache_bytes)
     try:
         pairs = [
             (torch.empty(half, dtype=torch.uint8, device=settings.device).random_(),

@@ -23,7 +23,7 @@ import torch
 
 import opforge
 
-from . import timing
+from . import harness, timing
 
 DEFAULT_SHAPES = "8192x1024,8192x8192,4096x32768,65536x128,512x262144"
 
@@ -88,8 +88,7 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
 
 
 def _sets(make, nbytes: int, cache: int) -> list:
-    count = 1 if nbytes >= 4 * cache else min(32, math.ceil(4 * cache / max(nbytes, 1)))
-    return [make() for _ in range(count)]
+    return [make() for _ in range(harness.input_set_count(nbytes, cache))]
 
 
 def _timed(fn, sets) -> float:

@@ -833,7 +833,7 @@ struct Plan {
   int G;              // threads per row (Rows) or per chunk (Cluster, Split)
   int block;          // threads per block
   Kind kind = Kind::Rows;
-  int64_t chunk = 0;  // elements per block (Cluster, Split)
+  int64_t chunk = 0;  // elements per block (Cluster, Split), per tile (Loop)
   int nchunks = 1;
   bool stream = false;
 };
@@ -940,8 +940,8 @@ PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clust
   // Long backward rows of the half types (from 32768 elements): a block of
   // 512 threads per row walking it twice in tiles of 64 registers of values
   // (bwd_loop_kernel): measured 12% faster than a cluster holding the row at
-  // 32768, even at 262144 (where the rows in flight outgrow L2 and pass 2
-  // re-reads from memory). For float32 the cluster measured faster.
+  // 32768, and as fast at 262144 (where the rows in flight outgrow L2 and
+  // pass 2 re-reads from memory). For float32 the cluster measured faster.
   if (arrays == 2 && V >= 8 && K >= 32768) return {kMaxGroup, 1, itmax, false, false, true};
   return default_shape(K, V, itmax, itlight, clusters, arrays);
 }
