@@ -273,3 +273,12 @@ def test_softmax_plan_candidates():
     assert (512, 1, 4, False, True) in bwd  # a block per row walking it twice
     assert all(p[0] >= 128 for p in bwd if len(p) > 4)
     assert all(p[2] <= 4 for p in bwd)
+
+
+def test_source_commit_can_be_named(monkeypatch):
+    monkeypatch.setenv("OPFORGE_SOURCE_COMMIT", "0123abc")
+    assert report.git_commit() == "0123abc"
+    monkeypatch.setenv("OPFORGE_SOURCE_COMMIT", "")
+    named = report.git_commit()
+    assert named is None or named != "0123abc"
+

@@ -33,7 +33,14 @@ def _cpu_model() -> str:
 
 
 def git_commit() -> str | None:
-    """The source tree's commit (with ``-dirty`` if it has changes), if it is a git checkout."""
+    """The source tree's commit (with ``-dirty`` if it has changes), if it is a git checkout.
+
+    ``OPFORGE_SOURCE_COMMIT`` names it instead, for a tree copied to another
+    machine without (or with stale) git metadata.
+    """
+    named = os.environ.get("OPFORGE_SOURCE_COMMIT", "").strip()
+    if named:
+        return named
     here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(

@@ -19,6 +19,9 @@
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/util/env.h>
+
+#include <cstdlib>
 
 #include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
@@ -77,8 +80,10 @@ __device__ __forceinline__ T relu_op(T v) {
 
 // ---------------------------------------------------------------- forward NCHW
 
+// (kThreads, 1): with no minimum, ptxas held the float64 instantiations to 48
+// registers and spilled.
 template <typename scalar_t, int V, int S>
-__global__ void __launch_bounds__(kThreads) dw_fwd_nchw(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
+__global__ void __launch_bounds__(kThreads, 1) dw_fwd_nchw(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
                                                         const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
                                                         DwArgs a) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -86,12 +91,15 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw(const scalar_t* __restri
   opmath_t* tile = reinterpret_cast<opmath_t*>(smem_raw);
   opmath_t* ws = tile + static_cast<int64_t>(a.tih) * a.pitch;  // mult * 9 weights, then mult biases
 
-  int64_t bid = blockIdx.x;
-  const int tw = static_cast<int>(bid % a.tiles_w);
-  bid /= a.tiles_w;
-  const int th = static_cast<int>(bid % a.tiles_h);
-  const int64_t nc = bid / a.tiles_h;
-  const int64_t n = nc / a.C, c = nc % a.C;
+  // 32-bit decode (the host checks the grid fits in int32): 64-bit divisions
+  // are subroutine calls.
+  unsigned bid = blockIdx.x;
+  const int tw = static_cast<int>(bid % static_cast<unsigned>(a.tiles_w));
+  bid /= static_cast<unsigned>(a.tiles_w);
+  const int th = static_cast<int>(bid % static_cast<unsigned>(a.tiles_h));
+  const unsigned nc32 = bid / static_cast<unsigned>(a.tiles_h);
+  const int64_t nc = nc32;
+  const int64_t n = nc32 / static_cast<unsigned>(a.C), c = nc32 % static_cast<unsigned>(a.C);
   const int64_t H = a.H, W = a.W;
   const int oh0 = th * a.toh, ow0 = tw * a.tow;
   const int toh = min(a.toh, static_cast<int>(a.Ho - oh0));
@@ -206,13 +214,13 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restri
   opmath_t* ws = tile + T::IH * T::IW * cb;                       // [9][kb]
   opmath_t* bs = ws + 9 * kb;                                     // [kb]
 
-  int64_t bid = blockIdx.x;
-  const int chunk = static_cast<int>(bid % a.chunks);
-  bid /= a.chunks;
-  const int tw = static_cast<int>(bid % a.tiles_w);
-  bid /= a.tiles_w;
-  const int th = static_cast<int>(bid % a.tiles_h);
-  const int64_t n = bid / a.tiles_h;
+  unsigned bid = blockIdx.x;  // 32-bit decode, as in the NCHW kernel
+  const int chunk = static_cast<int>(bid % static_cast<unsigned>(a.chunks));
+  bid /= static_cast<unsigned>(a.chunks);
+  const int tw = static_cast<int>(bid % static_cast<unsigned>(a.tiles_w));
+  bid /= static_cast<unsigned>(a.tiles_w);
+  const int th = static_cast<int>(bid % static_cast<unsigned>(a.tiles_h));
+  const int64_t n = bid / static_cast<unsigned>(a.tiles_h);
   const int64_t C = a.C, K = a.K, H = a.H, W = a.W;
   const int64_t cin0 = static_cast<int64_t>(chunk) * cb;
   const int cba = static_cast<int>(C - cin0 < cb ? C - cin0 : cb);  // channels in this chunk
@@ -287,7 +295,8 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restri
 // ------------------------------------------------ forward, stride 1: staged planes
 
 using opforge::cuda::copy_async;
-using opforge::cuda::copy_async_wait_all;
+using opforge::cuda::copy_async_commit;
+using opforge::cuda::copy_async_wait;
 
 __device__ __forceinline__ void zero_bytes(void* smem, int bytes) {
   if (bytes == 16) {
@@ -310,10 +319,10 @@ __device__ __forceinline__ float relu_nan(float v) {
 #endif
 }
 
-// NCHW, stride 1. A block stages `np` consecutive (image, channel) planes, or
-// one band of output rows of one plane, in shared memory in the input dtype:
-// staged row rr holds input row oh0 - PAD + rr at columns [E, E + W) of a row
-// of pitch P elements (E = 16 bytes of elements; columns [0, E) and
+// NCHW, stride 1. A tile is `np` consecutive (image, channel) planes, or one
+// band of output rows of one plane, staged in shared memory in the input
+// dtype: staged row rr holds input row oh0 - PAD + rr at columns [E, E + W)
+// of a row of pitch P elements (E = 16 bytes of elements; columns [0, E) and
 // [E + W, P) and rows outside the image are zeros). Copies of LB bytes
 // (16/8/4 with cp.async, or single elements). Each thread item then owns V
 // consecutive output columns of a run of up to R output rows: it slides
@@ -322,12 +331,35 @@ __device__ __forceinline__ float relu_nan(float v) {
 // input row finishes one output row, continues the next and starts the one
 // after), adds the bias, applies ReLU and stores V values at once. A
 // channel multiplier loops over the same stage.
+// When there are more tiles than blocks the GPU holds at once, a block walks
+// tiles t, t + gridDim.x, ... with two stage buffers: the copies of the next
+// tile are in flight while it computes the current one. (Staging, then
+// computing, one tile per block left the copies idle whenever the blocks of
+// an SM computed at the same time, and on bfloat16 the compute is about
+// half the time of the copies.)
 struct DwS1Args {
   int64_t planes;  // N * C
+  int64_t tiles;   // plane groups x bands
   int C, H, W, Ho, Wo, mult;
   int P, ngw, R, runs, BH, bands, PB, SR, LB, lpr_shift;
+  int buf;  // elements between the two stage buffers
   bool relu, store_vec;
 };
+
+struct DwS1Tile {
+  int64_t plane0;
+  int np, oh0, bh;
+};
+
+__device__ __forceinline__ DwS1Tile dw_s1_tile(const DwS1Args& a, int64_t t) {
+  DwS1Tile r;
+  const int band = static_cast<int>(t % a.bands);
+  r.plane0 = (t / a.bands) * a.PB;
+  r.np = static_cast<int>(a.planes - r.plane0 < a.PB ? a.planes - r.plane0 : a.PB);
+  r.oh0 = band * a.BH;
+  r.bh = min(a.BH, a.Ho - r.oh0);
+  return r;
+}
 
 template <typename scalar_t, int V, int PAD>
 __device__ __forceinline__ void load_window_row(const scalar_t* s, float (&win)[V + 2]) {
@@ -345,71 +377,62 @@ __device__ __forceinline__ void load_window_row(const scalar_t* s, float (&win)[
   }
 }
 
-template <typename scalar_t, int V, int PAD>
-__global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __restrict__ x,
-                                                           const scalar_t* __restrict__ w,
-                                                           const scalar_t* __restrict__ b,
-                                                           scalar_t* __restrict__ out, DwS1Args a) {
+// Queues the copies of tile `tt` into `tile` (2^lpr_shift lanes per row).
+template <typename scalar_t, int PAD>
+__device__ __forceinline__ void dw_s1_stage(const scalar_t* __restrict__ x, scalar_t* tile, const DwS1Args& a,
+                                            const DwS1Tile& tt) {
   constexpr int E = 16 / static_cast<int>(sizeof(scalar_t));
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  scalar_t* tile = reinterpret_cast<scalar_t*>(smem_raw);
-
-  const int64_t blk = blockIdx.x;
-  const int band = static_cast<int>(blk % a.bands);
-  const int64_t plane0 = (blk / a.bands) * a.PB;
-  const int np = static_cast<int>(a.planes - plane0 < a.PB ? a.planes - plane0 : a.PB);
-  const int oh0 = band * a.BH;
-  const int bh = min(a.BH, a.Ho - oh0);
-  const int sr = bh + 2;
-
-  // Stage: 2^lpr_shift lanes per row.
-  {
-    const int lpr = 1 << a.lpr_shift;
-    const int lane = threadIdx.x & (lpr - 1);
-    const int slots = blockDim.x >> a.lpr_shift;
-    const int L = a.LB / static_cast<int>(sizeof(scalar_t));  // elements per copy
-    const int nvec = a.W / L;
-    for (int q = threadIdx.x >> a.lpr_shift; q < np * sr; q += slots) {
-      const int p = q / sr, rr = q - p * sr;
-      const int ih = oh0 - PAD + rr;
-      scalar_t* dst = tile + (p * a.SR + rr) * a.P;
-      if (ih < 0 || ih >= a.H) {
-        for (int j = lane; j < a.P / E; j += lpr) zero_bytes(dst + j * E, 16);
-        continue;
-      }
-      const scalar_t* src = x + ((plane0 + p) * a.H + ih) * static_cast<int64_t>(a.W);
-      scalar_t* d = dst + E;
-      switch (a.LB) {
-        case 16:
-          for (int v = lane; v < nvec; v += lpr) copy_async<16>(d + v * L, src + v * L);
-          break;
-        case 8:
-          for (int v = lane; v < nvec; v += lpr) copy_async<8>(d + v * L, src + v * L);
-          break;
-        case 4:
-          for (int v = lane; v < nvec; v += lpr) copy_async<4>(d + v * L, src + v * L);
-          break;
-        default:
-          for (int v = lane; v < nvec; v += lpr) d[v] = src[v];
-          break;
-      }
-      for (int j = lane; j < E; j += lpr) dst[j] = scalar_t(0);
-      for (int j = E + a.W + lane; j < a.P; j += lpr) dst[j] = scalar_t(0);
+  const int sr = tt.bh + 2;
+  const int lpr = 1 << a.lpr_shift;
+  const int lane = threadIdx.x & (lpr - 1);
+  const int slots = blockDim.x >> a.lpr_shift;
+  const int L = a.LB / static_cast<int>(sizeof(scalar_t));  // elements per copy
+  const int nvec = a.W / L;
+  for (int q = threadIdx.x >> a.lpr_shift; q < tt.np * sr; q += slots) {
+    const int p = q / sr, rr = q - p * sr;
+    const int ih = tt.oh0 - PAD + rr;
+    scalar_t* dst = tile + (p * a.SR + rr) * a.P;
+    if (ih < 0 || ih >= a.H) {
+      for (int j = lane; j < a.P / E; j += lpr) zero_bytes(dst + j * E, 16);
+      continue;
     }
-    copy_async_wait_all();
-    __syncthreads();
+    const scalar_t* src = x + ((tt.plane0 + p) * a.H + ih) * static_cast<int64_t>(a.W);
+    scalar_t* d = dst + E;
+    switch (a.LB) {
+      case 16:
+        for (int v = lane; v < nvec; v += lpr) copy_async<16>(d + v * L, src + v * L);
+        break;
+      case 8:
+        for (int v = lane; v < nvec; v += lpr) copy_async<8>(d + v * L, src + v * L);
+        break;
+      case 4:
+        for (int v = lane; v < nvec; v += lpr) copy_async<4>(d + v * L, src + v * L);
+        break;
+      default:
+        for (int v = lane; v < nvec; v += lpr) d[v] = src[v];
+        break;
+    }
+    for (int j = lane; j < E; j += lpr) dst[j] = scalar_t(0);
+    for (int j = E + a.W + lane; j < a.P; j += lpr) dst[j] = scalar_t(0);
   }
+}
 
-  const int items = np * a.runs * a.ngw;
+// The outputs of tile `tt` from its stage.
+template <typename scalar_t, int V, int PAD>
+__device__ __forceinline__ void dw_s1_compute(const scalar_t* tile, const scalar_t* __restrict__ w,
+                                              const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
+                                              const DwS1Args& a, const DwS1Tile& tt) {
+  constexpr int E = 16 / static_cast<int>(sizeof(scalar_t));
+  const int items = tt.np * a.runs * a.ngw;
   for (int j = 0; j < a.mult; ++j) {
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
       const int g = it % a.ngw;
       const int t = it / a.ngw;
       const int run = t % a.runs, p = t / a.runs;
       const int r0 = run * a.R;
-      const int nr = min(a.R, bh - r0);
+      const int nr = min(a.R, tt.bh - r0);
       if (nr <= 0) continue;
-      const int64_t plane = plane0 + p;
+      const int64_t plane = tt.plane0 + p;
       const int64_t k = (plane % a.C) * a.mult + j;
       float wk[9];
 #pragma unroll
@@ -419,7 +442,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __res
       const int ow = g * V;
       const int valid = min(V, a.Wo - ow);
       const scalar_t* s = tile + (p * a.SR + r0) * a.P + E + ow;
-      scalar_t* o = out + ((plane * a.mult + j) * a.Ho + oh0 + r0) * static_cast<int64_t>(a.Wo) + ow;
+      scalar_t* o = out + ((plane * a.mult + j) * a.Ho + tt.oh0 + r0) * static_cast<int64_t>(a.Wo) + ow;
       // Rolling accumulators (as in the NHWC kernel below): only one input
       // row window and two partial sums are live.
       auto fma_row = [&](const float (&xr)[V + 2], int kh, float (&acc)[V]) {
@@ -463,71 +486,109 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __res
   }
 }
 
-// NHWC, stride 1, multiplier 1, C % 4 == 0. A block stages a tile of
-// (BH + 2) x (TW + 2) input pixels x CB channels in shared memory (input
-// dtype, copies of LB bytes along C, zeros outside the image). Each thread
-// owns 4 consecutive channels of one output column and slides down the tile's
-// BH rows with the 36 weights, one staged row and two partial sums in
-// registers (three 4-wide shared loads per output row), storing 4 channels
-// at once.
+template <typename scalar_t, int V, int PAD>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __restrict__ x,
+                                                           const scalar_t* __restrict__ w,
+                                                           const scalar_t* __restrict__ b,
+                                                           scalar_t* __restrict__ out, DwS1Args a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  scalar_t* stage = reinterpret_cast<scalar_t*>(smem_raw);
+  int64_t t = blockIdx.x;
+  DwS1Tile cur = dw_s1_tile(a, t);
+  dw_s1_stage<scalar_t, PAD>(x, stage, a, cur);
+  copy_async_commit();
+  for (int i = 0;; ++i) {
+    const int64_t next = t + gridDim.x;
+    if (next < a.tiles) {
+      dw_s1_stage<scalar_t, PAD>(x, stage + ((i + 1) & 1) * a.buf, a, dw_s1_tile(a, next));
+      copy_async_commit();
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies (and zeros) of the current tile are in place
+    dw_s1_compute<scalar_t, V, PAD>(stage + (i & 1) * a.buf, w, b, out, a, cur);
+    if (next >= a.tiles) break;
+    __syncthreads();  // the current buffer is free for the tile after next
+    t = next;
+    cur = dw_s1_tile(a, t);
+  }
+}
+
+// NHWC, stride 1, multiplier 1, C % 4 == 0. A tile is (BH + 2) x (TW + 2)
+// input pixels x CB channels staged in shared memory (input dtype, copies of
+// LB bytes along C, zeros outside the image). Each thread owns 4 consecutive
+// channels of one output column and slides down the tile's BH rows with the
+// 36 weights, one staged row and two partial sums in registers (three 4-wide
+// shared loads per output row), storing 4 channels at once. Blocks walk the
+// tiles with two stage buffers as the NCHW kernel above does.
 struct DwS1NhwcArgs {
-  int64_t N;
+  int64_t N, tiles;
   int C, H, W, Ho, Wo;
   int CB, chunks, TW, BH, tiles_w, tiles_h, LB;
+  int buf;  // elements between the two stage buffers
   bool relu;
 };
 
+struct DwS1NhwcTile {
+  int64_t n;
+  int cin0, cba, oh0, ow0, bh, bw;
+};
+
+__device__ __forceinline__ DwS1NhwcTile dw_s1_nhwc_tile(const DwS1NhwcArgs& a, int64_t t) {
+  DwS1NhwcTile r;
+  const int chunk = static_cast<int>(t % a.chunks);
+  t /= a.chunks;
+  const int tw = static_cast<int>(t % a.tiles_w);
+  t /= a.tiles_w;
+  const int th = static_cast<int>(t % a.tiles_h);
+  r.n = t / a.tiles_h;
+  r.cin0 = chunk * a.CB;
+  r.cba = min(a.CB, a.C - r.cin0);
+  r.oh0 = th * a.BH;
+  r.ow0 = tw * a.TW;
+  r.bh = min(a.BH, a.Ho - r.oh0);
+  r.bw = min(a.TW, a.Wo - r.ow0);
+  return r;
+}
+
 template <typename scalar_t, int PAD>
-__global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __restrict__ x,
-                                                           const scalar_t* __restrict__ w,
-                                                           const scalar_t* __restrict__ b,
-                                                           scalar_t* __restrict__ out, DwS1NhwcArgs a) {
-  constexpr int V = 4;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  scalar_t* tile = reinterpret_cast<scalar_t*>(smem_raw);
-
-  int64_t blk = blockIdx.x;
-  const int chunk = static_cast<int>(blk % a.chunks);
-  blk /= a.chunks;
-  const int tw = static_cast<int>(blk % a.tiles_w);
-  blk /= a.tiles_w;
-  const int th = static_cast<int>(blk % a.tiles_h);
-  const int64_t n = blk / a.tiles_h;
-  const int cin0 = chunk * a.CB;
-  const int cba = min(a.CB, a.C - cin0);
-  const int oh0 = th * a.BH, ow0 = tw * a.TW;
-  const int bh = min(a.BH, a.Ho - oh0), bw = min(a.TW, a.Wo - ow0);
-  const int sw = bw + 2;          // staged columns
-  const int spitch = a.TW + 2;    // staged pixels per row
-  {
-    const int L = a.LB / static_cast<int>(sizeof(scalar_t));
-    const int cpp = cba / L;  // copies per pixel
-    const int total = (bh + 2) * sw * cpp;
-    for (int i = threadIdx.x; i < total; i += blockDim.x) {
-      const int pix = i / cpp, part = i - pix * cpp;
-      const int rr = pix / sw, qq = pix - rr * sw;
-      const int ih = oh0 - PAD + rr, iw = ow0 - PAD + qq;
-      scalar_t* dst = tile + (rr * spitch + qq) * a.CB + part * L;
-      if (ih < 0 || ih >= a.H || iw < 0 || iw >= a.W) {
-        zero_bytes(dst, a.LB);
-        continue;
-      }
-      const scalar_t* src = x + ((n * a.H + ih) * a.W + iw) * static_cast<int64_t>(a.C) + cin0 + part * L;
-      switch (a.LB) {
-        case 16: copy_async<16>(dst, src); break;
-        case 8: copy_async<8>(dst, src); break;
-        default: copy_async<4>(dst, src); break;
-      }
+__device__ __forceinline__ void dw_s1_nhwc_stage(const scalar_t* __restrict__ x, scalar_t* tile, const DwS1NhwcArgs& a,
+                                                 const DwS1NhwcTile& tt) {
+  const int sw = tt.bw + 2;        // staged columns
+  const int spitch = a.TW + 2;     // staged pixels per row
+  const int L = a.LB / static_cast<int>(sizeof(scalar_t));
+  const int cpp = tt.cba / L;  // copies per pixel
+  const int total = (tt.bh + 2) * sw * cpp;
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int pix = i / cpp, part = i - pix * cpp;
+    const int rr = pix / sw, qq = pix - rr * sw;
+    const int ih = tt.oh0 - PAD + rr, iw = tt.ow0 - PAD + qq;
+    scalar_t* dst = tile + (rr * spitch + qq) * a.CB + part * L;
+    if (ih < 0 || ih >= a.H || iw < 0 || iw >= a.W) {
+      zero_bytes(dst, a.LB);
+      continue;
     }
-    copy_async_wait_all();
-    __syncthreads();
+    const scalar_t* src = x + ((tt.n * a.H + ih) * a.W + iw) * static_cast<int64_t>(a.C) + tt.cin0 + part * L;
+    switch (a.LB) {
+      case 16: copy_async<16>(dst, src); break;
+      case 8: copy_async<8>(dst, src); break;
+      default: copy_async<4>(dst, src); break;
+    }
   }
+}
 
-  const int cvn = cba / V;
-  const int items = cvn * bw;
+template <typename scalar_t>
+__device__ __forceinline__ void dw_s1_nhwc_compute(const scalar_t* tile, const scalar_t* __restrict__ w,
+                                                   const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
+                                                   const DwS1NhwcArgs& a, const DwS1NhwcTile& tt) {
+  constexpr int V = 4;
+  const int spitch = a.TW + 2;
+  const int cvn = tt.cba / V;
+  const int items = cvn * tt.bw;
   for (int it = threadIdx.x; it < items; it += blockDim.x) {
     const int cv = it % cvn, q = it / cvn;
-    const int c0 = cin0 + cv * V;
+    const int c0 = tt.cin0 + cv * V;
     float wr[9][V], bv[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
@@ -565,9 +626,9 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __res
     for (int e = 0; e < V; ++e) accQ[e] = bv[e];
     fma_row(xr, 0, accQ);
     s += 2 * rstep;
-    scalar_t* o = out + ((n * a.Ho + oh0) * a.Wo + ow0 + q) * static_cast<int64_t>(a.C) + c0;
+    scalar_t* o = out + ((tt.n * a.Ho + tt.oh0) * a.Wo + tt.ow0 + q) * static_cast<int64_t>(a.C) + c0;
     const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
-    for (int r = 0; r < bh; ++r) {
+    for (int r = 0; r < tt.bh; ++r) {
       load_row(s, xr);
       s += rstep;
       fma_row(xr, 2, accP);
@@ -586,42 +647,77 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __res
   }
 }
 
+template <typename scalar_t, int PAD>
+__global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __restrict__ x,
+                                                           const scalar_t* __restrict__ w,
+                                                           const scalar_t* __restrict__ b,
+                                                           scalar_t* __restrict__ out, DwS1NhwcArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  scalar_t* stage = reinterpret_cast<scalar_t*>(smem_raw);
+  int64_t t = blockIdx.x;
+  DwS1NhwcTile cur = dw_s1_nhwc_tile(a, t);
+  dw_s1_nhwc_stage<scalar_t, PAD>(x, stage, a, cur);
+  copy_async_commit();
+  for (int i = 0;; ++i) {
+    const int64_t next = t + gridDim.x;
+    if (next < a.tiles) {
+      dw_s1_nhwc_stage<scalar_t, PAD>(x, stage + ((i + 1) & 1) * a.buf, a, dw_s1_nhwc_tile(a, next));
+      copy_async_commit();
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();
+    dw_s1_nhwc_compute<scalar_t>(stage + (i & 1) * a.buf, w, b, out, a, cur);
+    if (next >= a.tiles) break;
+    __syncthreads();
+    t = next;
+    cur = dw_s1_nhwc_tile(a, t);
+  }
+}
+
 // ---------------------------------------------------------------- backward: grad x
 
 // One thread per element of grad x (in x's layout order):
 // gx[n,c,ih,iw] = sum_j sum_{kh,kw} g'[n, c*m+j, oh, ow] * w[c*m+j, kh, kw]
 // where oh*S = ih + pad - kh, ow*S = iw + pad - kw, g' = g * (result > 0).
-template <typename scalar_t, bool kNhwc>
-__global__ void __launch_bounds__(kThreads) dw_bwd_input(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+// IT is int32_t when every index fits (64-bit divisions are subroutine calls
+// whose saved registers spill), else int64_t. At most 64 registers (four
+// blocks per SM): ptxas's own choice of 32-48 spilled.
+template <typename scalar_t, bool kNhwc, typename IT>
+__global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
                                                          const scalar_t* __restrict__ w, scalar_t* __restrict__ gx,
-                                                         DwArgs a, int S, int64_t total) {
+                                                         DwArgs a, int S, IT total) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
-    int64_t n, c, ih, iw, rem = idx;
+  const IT C = static_cast<IT>(a.C), H = static_cast<IT>(a.H), W = static_cast<IT>(a.W);
+  const IT K = static_cast<IT>(a.K), Ho = static_cast<IT>(a.Ho), Wo = static_cast<IT>(a.Wo);
+  const IT pad = a.pad, mult = a.mult, stride = S;
+  const IT step = static_cast<IT>(gridDim.x) * blockDim.x;
+  for (IT idx = static_cast<IT>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
+    IT n, c, ih, iw, rem = idx;
     if (kNhwc) {
-      c = rem % a.C; rem /= a.C;
-      iw = rem % a.W; rem /= a.W;
-      ih = rem % a.H; n = rem / a.H;
+      c = rem % C; rem /= C;
+      iw = rem % W; rem /= W;
+      ih = rem % H; n = rem / H;
     } else {
-      iw = rem % a.W; rem /= a.W;
-      ih = rem % a.H; rem /= a.H;
-      c = rem % a.C; n = rem / a.C;
+      iw = rem % W; rem /= W;
+      ih = rem % H; rem /= H;
+      c = rem % C; n = rem / C;
     }
     opmath_t acc = opmath_t(0);
     for (int kh = 0; kh < 3; ++kh) {
-      const int64_t th = ih + a.pad - kh;
-      if (th < 0 || th % S != 0) continue;
-      const int64_t oh = th / S;
-      if (oh >= a.Ho) continue;
+      const IT th = ih + pad - kh;
+      if (th < 0 || th % stride != 0) continue;
+      const IT oh = th / stride;
+      if (oh >= Ho) continue;
       for (int kw = 0; kw < 3; ++kw) {
-        const int64_t tw = iw + a.pad - kw;
-        if (tw < 0 || tw % S != 0) continue;
-        const int64_t ow = tw / S;
-        if (ow >= a.Wo) continue;
-        for (int j = 0; j < a.mult; ++j) {
-          const int64_t k = c * a.mult + j;
-          const int64_t off = kNhwc ? ((n * a.Ho + oh) * a.Wo + ow) * a.K + k : ((n * a.K + k) * a.Ho + oh) * a.Wo + ow;
+        const IT tw = iw + pad - kw;
+        if (tw < 0 || tw % stride != 0) continue;
+        const IT ow = tw / stride;
+        if (ow >= Wo) continue;
+        for (IT j = 0; j < mult; ++j) {
+          const IT k = c * mult + j;
+          const IT off = kNhwc ? ((n * Ho + oh) * Wo + ow) * K + k : ((n * K + k) * Ho + oh) * Wo + ow;
           opmath_t gv = static_cast<opmath_t>(g[off]);
           if (res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0))) gv = opmath_t(0);
           acc += gv * static_cast<opmath_t>(w[k * 9 + kh * 3 + kw]);
@@ -794,7 +890,45 @@ void launch_fwd_v(const scalar_t* x, const scalar_t* w, const scalar_t* b, scala
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-constexpr size_t kStageBudget = 48 * 1024;  // shared bytes per block of the stride-1 kernels
+constexpr size_t kStageBudget = 48 * 1024;  // shared bytes per stage buffer of the stride-1 kernels
+
+// OPFORGE_CONV_DW_PIPELINE forces the stride-1 kernels' launch (for tests
+// and benchmarking the rule below): "off" one tile per block, "on" two stage
+// buffers with as many blocks as fit, "1".."16" two buffers and at most that
+// many blocks per SM; unset or anything else: the rule. Returns -1 (off),
+// 0 (the rule) or the most blocks per SM.
+int forced_pipeline() {
+  const auto v = c10::utils::get_env("OPFORGE_CONV_DW_PIPELINE");
+  if (!v.has_value()) return 0;
+  if (*v == "off") return -1;
+  if (*v == "on") return 1 << 10;
+  const int n = std::atoi(v->c_str());
+  return n >= 1 && n <= 16 ? n : 0;
+}
+
+// Grid and dynamic shared memory of a stride-1 kernel over `tiles` tiles of
+// `stage` shared bytes each: one tile per block while the tiles fit in two
+// waves of resident blocks, else as many blocks as the GPU holds with two
+// stage buffers each, every block walking an equal share of the tiles.
+struct TileLaunch {
+  int64_t grid;
+  size_t smem;
+};
+
+template <typename Kernel>
+TileLaunch plan_tile_launch(Kernel kernel, int threads, int64_t tiles, size_t stage) {
+  const int64_t sms = opforge::cuda::sm_count();
+  const int forced = forced_pipeline();
+  int single = 0, doubled = 0;
+  set_smem(kernel, 2 * stage);
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&single, kernel, threads, stage));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&doubled, kernel, threads, 2 * stage));
+  if (forced > 0) doubled = std::min(doubled, forced);
+  const bool walk = forced > 0 || (forced == 0 && tiles > 2 * single * sms);
+  if (!walk || doubled == 0 || tiles <= doubled * sms) return {tiles, stage};
+  const int64_t per_block = (tiles + doubled * sms - 1) / (doubled * sms);
+  return {(tiles + per_block - 1) / per_block, 2 * stage};
+}
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
@@ -858,12 +992,12 @@ bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
     a.lpr_shift = 0;
     while ((1 << a.lpr_shift) < std::min(vec_per_row, 32)) ++a.lpr_shift;
     const int threads = std::min(kThreads, round_up(a.PB * per_plane, 32));
-    const int64_t blocks = (a.planes + a.PB - 1) / a.PB * a.bands;
-    TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
-    const size_t smem = row_bytes * a.SR * a.PB;
+    a.tiles = (a.planes + a.PB - 1) / a.PB * a.bands;
+    TORCH_CHECK(a.tiles <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
+    a.buf = a.P * a.SR * a.PB;
     auto launch = [&](auto kernel) {
-      set_smem(kernel, smem);
-      kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(xp, wp, bp, op, a);
+      const TileLaunch l = plan_tile_launch(kernel, threads, a.tiles, row_bytes * a.SR * a.PB);
+      kernel<<<static_cast<unsigned>(l.grid), threads, l.smem, stream>>>(xp, wp, bp, op, a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (V == E) {
@@ -919,13 +1053,13 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
     a.tiles_h = (a.Ho + rows - 1) / rows;
     a.BH = (a.Ho + a.tiles_h - 1) / a.tiles_h;
     a.tiles_h = (a.Ho + a.BH - 1) / a.BH;
-    const int64_t blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
-    TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
+    a.tiles = g.N * a.tiles_h * a.tiles_w * a.chunks;
+    TORCH_CHECK(a.tiles <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
     const int threads = round_up(a.CB / 4 * a.TW, 32);
-    const size_t smem = static_cast<size_t>(a.BH + 2) * (a.TW + 2) * a.CB * s;
+    a.buf = (a.BH + 2) * (a.TW + 2) * a.CB;
     auto launch = [&](auto kernel) {
-      set_smem(kernel, smem);
-      kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(xp, wp, bp, op, a);
+      const TileLaunch l = plan_tile_launch(kernel, threads, a.tiles, static_cast<size_t>(a.buf) * s);
+      kernel<<<static_cast<unsigned>(l.grid), threads, l.smem, stream>>>(xp, wp, bp, op, a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (g.pad == 1) launch(dw_fwd_nhwc_s1<scalar_t, 1>);
@@ -1026,10 +1160,16 @@ void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor&
     const auto* wp = w.const_data_ptr<scalar_t>();
     auto* gxp = grad_x.mutable_data_ptr<scalar_t>();
     const int64_t blocks = opforge::cuda::grid_for(total, kThreads);
-    if (nhwc) {
-      dw_bwd_input<scalar_t, true><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, static_cast<int>(g.stride), total);
+    const int S = static_cast<int>(g.stride);
+    // int32 indices when every offset (and the grid-stride step past the end) fits.
+    const int64_t largest = std::max(total, grad_out.numel()) + blocks * kThreads;
+    if (largest <= INT32_MAX && g.K * 9 <= INT32_MAX) {
+      const auto t32 = static_cast<int32_t>(total);
+      if (nhwc) dw_bwd_input<scalar_t, true, int32_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, t32);
+      else dw_bwd_input<scalar_t, false, int32_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, t32);
     } else {
-      dw_bwd_input<scalar_t, false><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, static_cast<int>(g.stride), total);
+      if (nhwc) dw_bwd_input<scalar_t, true, int64_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, total);
+      else dw_bwd_input<scalar_t, false, int64_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, total);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
