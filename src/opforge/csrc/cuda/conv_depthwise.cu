@@ -387,6 +387,31 @@ __device__ __forceinline__ void dw_s1_stage(const scalar_t* __restrict__ x, scal
   const int lane = threadIdx.x & (lpr - 1);
   const int slots = blockDim.x >> a.lpr_shift;
   const int L = a.LB / static_cast<int>(sizeof(scalar_t));  // elements per copy
+  if (a.LB == 16) {
+    // Rows of P / E 16-byte chunks: chunk 0 and those past the image's W / E
+    // are zeros, chunk j in between is input columns [(j - 1) E, j E). Rows
+    // advance by `slots` without a division (the stage is a large part of
+    // this kernel's instructions).
+    const int chunks = a.P / E, full = a.W / E;
+    int p = 0, rr = threadIdx.x >> a.lpr_shift;
+    while (rr >= sr) rr -= sr, ++p;
+    for (; p < tt.np;) {
+      const int ih = tt.oh0 - PAD + rr;
+      const bool inside = ih >= 0 && ih < a.H;
+      scalar_t* dst = tile + (p * a.SR + rr) * a.P;
+      const scalar_t* src = x + ((tt.plane0 + p) * a.H + (inside ? ih : 0)) * static_cast<int64_t>(a.W);
+      for (int j = lane; j < chunks; j += lpr) {
+        if (inside && j >= 1 && j <= full) {
+          copy_async<16>(dst + j * E, src + (j - 1) * E);
+        } else {
+          zero_bytes(dst + j * E, 16);
+        }
+      }
+      rr += slots;
+      while (rr >= sr) rr -= sr, ++p;
+    }
+    return;
+  }
   const int nvec = a.W / L;
   for (int q = threadIdx.x >> a.lpr_shift; q < tt.np * sr; q += slots) {
     const int p = q / sr, rr = q - p * sr;
@@ -559,22 +584,30 @@ __device__ __forceinline__ void dw_s1_nhwc_stage(const scalar_t* __restrict__ x,
   const int spitch = a.TW + 2;     // staged pixels per row
   const int L = a.LB / static_cast<int>(sizeof(scalar_t));
   const int cpp = tt.cba / L;  // copies per pixel
-  const int total = (tt.bh + 2) * sw * cpp;
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int pix = i / cpp, part = i - pix * cpp;
-    const int rr = pix / sw, qq = pix - rr * sw;
+  // Thread i copies part i % cpp of staged pixels i / cpp, + step, ...: the
+  // pixel's row and column advance without a division per copy (the stage
+  // is a large part of this kernel's instructions).
+  const int step = static_cast<int>(blockDim.x) / cpp;
+  const int first = static_cast<int>(threadIdx.x) / cpp;
+  if (first >= step) return;
+  const int part = static_cast<int>(threadIdx.x) - first * cpp;
+  int rr = first / sw, qq = first - rr * sw;
+  const int rows = tt.bh + 2;
+  for (; rr < rows;) {
     const int ih = tt.oh0 - PAD + rr, iw = tt.ow0 - PAD + qq;
     scalar_t* dst = tile + (rr * spitch + qq) * a.CB + part * L;
     if (ih < 0 || ih >= a.H || iw < 0 || iw >= a.W) {
       zero_bytes(dst, a.LB);
-      continue;
+    } else {
+      const scalar_t* src = x + ((tt.n * a.H + ih) * a.W + iw) * static_cast<int64_t>(a.C) + tt.cin0 + part * L;
+      switch (a.LB) {
+        case 16: copy_async<16>(dst, src); break;
+        case 8: copy_async<8>(dst, src); break;
+        default: copy_async<4>(dst, src); break;
+      }
     }
-    const scalar_t* src = x + ((tt.n * a.H + ih) * a.W + iw) * static_cast<int64_t>(a.C) + tt.cin0 + part * L;
-    switch (a.LB) {
-      case 16: copy_async<16>(dst, src); break;
-      case 8: copy_async<8>(dst, src); break;
-      default: copy_async<4>(dst, src); break;
-    }
+    qq += step;
+    while (qq >= sw) qq -= sw, ++rr;
   }
 }
 
@@ -989,8 +1022,11 @@ bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
       a.PB = static_cast<int>(std::max<int64_t>(1, std::min({by_threads, by_smem, by_blocks})));
     }
     const int vec_per_row = W / (a.LB / s);
+    // Lanes per staged row: enough for its copies (with 16-byte copies, for
+    // all of its chunks, zeros included), at most a warp.
+    const int per_row = a.LB == 16 ? a.P / E : vec_per_row;
     a.lpr_shift = 0;
-    while ((1 << a.lpr_shift) < std::min(vec_per_row, 32)) ++a.lpr_shift;
+    while ((1 << a.lpr_shift) < std::min(per_row, 32)) ++a.lpr_shift;
     const int threads = std::min(kThreads, round_up(a.PB * per_plane, 32));
     a.tiles = (a.planes + a.PB - 1) / a.PB * a.bands;
     TORCH_CHECK(a.tiles <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
