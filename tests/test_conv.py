@@ -581,36 +581,6 @@ def test_cuda_depthwise_stride1_nhwc_tiles(dtype, shape, padding, relu):
     check(x, w, None, 1, padding, c, relu)
 
 
-# Shapes whose stride-1 tiles outnumber the blocks of a forced launch, so a
-# block walks several tiles with two stage buffers (planes, plane groups and
-# bands of rows in NCHW; channel chunks and tile edges in NHWC).
-# Tile counts noted for 132 SMs: "1" walks when there are more than 132.
-S1_WALK_CASES = [
-    ((3, 100, 20, 24), 1, False),  # 300 one-plane tiles
-    ((8, 40, 13, 20), 3, False),  # channel multiplier 3 from one stage (320 tiles)
-    ((3, 4, 201, 1500), 1, False),  # bands of rows (float32 408 tiles, half types 180)
-    ((4, 64, 23, 37), 1, True),  # two channel chunks, partial edge tiles (144 tiles)
-    ((6, 40, 30, 30), 1, True),  # a partial channel chunk (192 tiles)
-]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("pipeline", ["off", "on", "1", "2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape,mult,channels_last", S1_WALK_CASES)
-@pytest.mark.parametrize("padding", [0, 1])
-def test_cuda_depthwise_stride1_forced_pipeline(pipeline, dtype, shape, mult, channels_last, padding, monkeypatch):
-    # "1": one block per SM with two buffers, so every block walks many tiles.
-    monkeypatch.setenv("OPFORGE_CONV_DW_PIPELINE", pipeline)
-    c = shape[1]
-    x = rand(shape, dtype, "cuda")
-    if channels_last:
-        x = x.to(memory_format=torch.channels_last)
-    w = rand((c * mult, 1, 3, 3), dtype, "cuda")
-    check(x, w, rand((c * mult,), dtype, "cuda"), 1, padding, c, True)
-    check(x, w, None, 1, padding, c, False)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])

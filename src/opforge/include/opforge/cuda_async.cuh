@@ -31,8 +31,7 @@ __device__ __forceinline__ void cp_async_wait() {
 
 // Copies B = 4, 8 or 16 bytes (both addresses aligned to B) from global to
 // shared memory asynchronously on sm_80 and later (16 bytes bypass L1);
-// compiled for older GPUs it is a plain copy. Pair with copy_async_wait_all(), or
-// copy_async_commit() and copy_async_wait<N>() to keep several groups in flight.
+// compiled for older GPUs it is a plain copy. Pair with copy_async_wait_all().
 template <int B>
 __device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
   static_assert(B == 4 || B == 8 || B == 16, "cp.async copies 4, 8 or 16 bytes");
@@ -58,22 +57,6 @@ __device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
 __device__ __forceinline__ void copy_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
-
-// Pipelined copy_async: close the group of copies queued since the last
-// commit, and wait until at most N of this thread's groups are in flight
-// (both no-ops below sm_80, where the copies were plain ones).
-__device__ __forceinline__ void copy_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void copy_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 
