@@ -282,3 +282,22 @@ def test_source_commit_can_be_named(monkeypatch):
     named = report.git_commit()
     assert named is None or named != "0123abc"
 
+
+def test_from_json_redraws_a_saved_run(families, tmp_path, capsys):
+    saved = tmp_path / "r.json"
+    assert cli.main(["bench", "_test_tiny", "--device", "cpu", "--quick", "--json", str(saved), "--no-progress"]) == 0
+    first = capsys.readouterr().out.split("wrote")[0]
+    run = report.read_json(saved)
+    assert report.to_json(run) == json.loads(saved.read_text())  # nothing lost on the way back
+    md, png = tmp_path / "again.md", tmp_path / "again.png"
+    assert cli.main(["bench", "--from-json", str(saved), "--markdown", str(md), "--plot", str(png)]) == 0
+    again = capsys.readouterr().out
+    assert again.split("wrote")[0] == first  # the same table, nothing timed
+    assert md.read_text().startswith("# opforge benchmark results") and png.stat().st_size > 0
+    assert cli.main(["bench", "_test_tiny", "--from-json", str(saved)]) == 2
+    assert "--from-json" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "something-else"}))
+    with pytest.raises(ValueError, match="schema"):
+        report.read_json(bad)
+

@@ -55,6 +55,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--markdown", metavar="PATH", help="write a Markdown report")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="time nothing: print and write (--markdown, --plot) the results saved in PATH by --json")
     p.set_defaults(func=run_bench)
 
     p = sub.add_parser("demo", help="the quick benchmark on this machine (same as `opforge bench --quick`)")
@@ -68,6 +70,12 @@ def run_bench(args) -> int:
 
     from . import harness, report
 
+    if args.from_json:
+        if args.ops or args.dtype or args.mode or args.quick or args.json:
+            print("opforge bench: --from-json redraws a saved run; it takes no ops, --dtype, --mode, --quick or --json")
+            return 2
+        run = report.read_json(args.from_json)
+        return _write_outputs(run, args, report)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("opforge bench: --device cuda, but torch sees no CUDA GPU")
@@ -88,6 +96,11 @@ def run_bench(args) -> int:
         print(f"opforge bench: unknown op {', '.join(unknown)}; registered: {', '.join(sorted(known))}")
         return 2
     run = harness.run(settings, progress=args.progress)
+    return _write_outputs(run, args, report)
+
+
+def _write_outputs(run, args, report) -> int:
+    """Prints the table, writes the files asked for; 1 if any opforge result was not ok."""
     print(report.table(run))
     if args.json:
         report.write_json(run, args.json)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from . import timing
-from .harness import PROVIDERS, CaseResult, Run
+from .harness import PROVIDERS, CaseResult, ProviderResult, Run, Settings
 
 SCHEMA = "opforge-bench/1"
 
@@ -301,6 +301,35 @@ def to_json(run: Run) -> dict:
     }
 
 
+def from_json(data: dict) -> Run:
+    """The run a ``to_json`` dict describes, to redraw a saved result's table and chart."""
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"not an opforge benchmark result: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+    s = data["settings"]
+    settings = Settings(
+        device=s["device"],
+        quick=s["quick"],
+        modes=tuple(s["modes"]),
+        dtypes=None if s["dtypes"] is None else tuple(getattr(torch, d) for d in s["dtypes"]),
+        ops=tuple(s["ops"]),
+        compile=s["compile"],
+    )
+    results = [
+        CaseResult(
+            family=r["family"], op=r["op"], shape=r["shape"], dtype=r["dtype"], mode=r["mode"], bytes=r["bytes"],
+            flops=r["flops"], input_sets=r["input_sets"], copy_ms=r.get("copy_ms"),
+            providers={k: ProviderResult(**p) for k, p in r["providers"].items()},
+        )
+        for r in data["results"]
+    ]
+    return Run(settings, data["environment"], data["copy_bandwidth_gbps"], data["last_level_cache_bytes"], results,
+               data.get("seconds", 0.0), data.get("problems", []))
+
+
+def read_json(path: str | os.PathLike) -> Run:
+    return from_json(json.loads(Path(path).read_text()))
+
+
 def write_json(run: Run, path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(to_json(run), indent=1) + "\n")
@@ -357,4 +386,5 @@ def write_plot(run: Run, path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-__all__ = ["PROVIDERS", "environment", "table", "markdown", "to_json", "write_json", "write_markdown", "write_plot"]
+__all__ = ["PROVIDERS", "environment", "table", "markdown", "to_json", "from_json", "read_json", "write_json",
+           "write_markdown", "write_plot"]
