@@ -57,3 +57,16 @@ def test_compile_a_file(tmp_path, capsys):
     bad = tmp_path / "bad.cu"
     bad.write_text("__global__ void broken( {}\n")
     assert ptxas_report.main([str(bad)]) == 2
+
+
+@pytest.mark.skipif(extension.find_nvcc() is None, reason="needs nvcc")
+def test_package_kernels_do_not_spill(capsys):
+    # Every CUDA source of the package, device code for sm_90 with the build's
+    # flags (about a minute on 2 cores): no kernel may spill registers.
+    from opforge._build import SOURCES
+
+    rc = ptxas_report.main([])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for source in SOURCES.cuda_sources:
+        assert f"{source}: " in out and ", 0 spilling" in out.split(f"{source}: ", 1)[1].splitlines()[0]
