@@ -35,6 +35,15 @@ def same_device(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Ten
         )
 
 
+def companion(op: str, name: str, value, ref_name: str, ref: torch.Tensor) -> torch.Tensor:
+    """A float tensor that goes with ``ref``: same device and dtype."""
+    t = float_tensor(op, name, value)
+    same_device(op, ref_name, ref, name, t)
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: {name} must have {ref_name}'s dtype {ref.dtype}, got {t.dtype}")
+    return t
+
+
 def broadcast_shape(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> torch.Size:
     ndim = max(a.dim(), b.dim())
     for i in range(1, ndim + 1):

@@ -65,10 +65,7 @@ def _check(op: str, x, weight, bias, stride, padding, groups) -> tuple[int, int,
     if k < 1 or k % groups != 0:
         raise ValueError(f"{op}: weight's output channels ({k}) must be a positive multiple of groups ({groups})")
     if bias is not None:
-        _checks.float_tensor(op, "bias", bias)
-        _checks.same_device(op, "x", x, "bias", bias)
-        if bias.dtype != x.dtype:
-            raise TypeError(f"{op}: bias must have x's dtype {x.dtype}, got {bias.dtype}")
+        _checks.companion(op, "bias", bias, "x", x)
         if bias.dim() != 1 or bias.shape[0] != k:
             raise ValueError(f"{op}: bias must have shape [{k}], got {list(bias.shape)}")
     if h + 2 * padding < 3 or w + 2 * padding < 3:
@@ -126,19 +123,13 @@ def _conv2d_3x3_fake(x, weight, bias, stride, padding, groups, relu):
 
 def _check_backward(grad_out, result, x, weight, stride, padding, groups):
     shape = _check(_BWD, x, weight, None, stride, padding, groups)
-    _checks.float_tensor(_BWD, "grad_out", grad_out)
-    _checks.same_device(_BWD, "x", x, "grad_out", grad_out)
-    if grad_out.dtype != x.dtype:
-        raise TypeError(f"{_BWD}: grad_out must have x's dtype {x.dtype}, got {grad_out.dtype}")
+    _checks.companion(_BWD, "grad_out", grad_out, "x", x)
     if tuple(grad_out.shape) != tuple(shape):
         raise ValueError(f"{_BWD}: grad_out must have shape {list(shape)}, got {list(grad_out.shape)}")
     if result is not None:
-        _checks.float_tensor(_BWD, "result", result)
-        _checks.same_device(_BWD, "x", x, "result", result)
+        _checks.companion(_BWD, "result", result, "x", x)
         if result.shape != grad_out.shape:
             raise ValueError(f"{_BWD}: result must have grad_out's shape {list(grad_out.shape)}, got {list(result.shape)}")
-        if result.dtype != x.dtype:
-            raise TypeError(f"{_BWD}: result must have x's dtype {x.dtype}, got {result.dtype}")
     return shape
 
 
