@@ -128,6 +128,18 @@ def test_inf_and_nan_as_torch(name, dtype, K, device):
     check(name, x.t().contiguous(), 0, equal_nan=True)
 
 
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("K", [16, 1000, 8192])
+def test_float32_exp_range(name, K, device):
+    # x - max spanning 0 down to -130: exp of every magnitude a float32 holds,
+    # the denormal range (below -87.3) and underflow to 0, in one row.
+    x = torch.linspace(0.0, -130.0, K).repeat(4, 1)
+    x[1] = x[1].flip(0) + 50.0
+    x[2] = x[2][torch.randperm(K)]
+    x[3, ::3] = -INF
+    check(name, x.to(device), -1)
+
+
 # --------------------------------------------------------------------------- scaled_masked_softmax
 
 
