@@ -1,5 +1,6 @@
 """Tests of the benchmark harness, its reports and `opforge info` (CPU, small)."""
 
+import dataclasses
 import io
 import json
 
@@ -301,3 +302,26 @@ def test_from_json_redraws_a_saved_run(families, tmp_path, capsys):
     with pytest.raises(ValueError, match="schema"):
         report.read_json(bad)
 
+
+
+@pytest.mark.parametrize("relu_output", [False, True])
+def test_relu_outputs_near_zero_compare_where_signs_agree(relu_output):
+    # Inputs with exact zeros: eager's ReLU passes no gradient there, the
+    # "ours" below (nudged by 1e-30) passes it. Both are right to within
+    # rounding; only a sign-aware check can say so.
+    def make():
+        x = torch.randn(4096)
+        x[::7] = 0.0
+        return [x]
+
+    case = registry.BenchCase(op="nudged_relu", label="N=4096", dtype=torch.float32, make_inputs=make,
+                              ours=lambda x: torch.relu(x + 1e-30), eager=torch.relu, grad_inputs=(0,),
+                              relu_output=relu_output)
+    if relu_output:
+        harness._check_provider(case.ours, case, "bwd", case.eager)
+    else:
+        with pytest.raises(AssertionError, match="grad of input 0"):
+            harness._check_provider(case.ours, case, "bwd", case.eager)
+    wrong = dataclasses.replace(case, ours=lambda x: torch.relu(x) * 1.5)  # a real error still fails
+    with pytest.raises(AssertionError):
+        harness._check_provider(wrong.ours, wrong, "bwd", wrong.eager)

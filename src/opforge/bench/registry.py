@@ -42,6 +42,11 @@ class BenchCase:
     reference: Callable | None = None
     quick: bool = False  # part of `opforge bench --quick`
     flops_bwd: float = 0.0  # FLOPs of the backward pass (compute-bound cases)
+    # The op ends in a ReLU: two correct implementations can round an output
+    # within an ulp or so of zero to opposite sides, and ReLU's gradient then
+    # passes at one and not the other. Gradients are compared with the
+    # incoming gradient zeroed where the two outputs' signs disagree.
+    relu_output: bool = False
 
 
 _REGISTRY: dict[str, Callable[[str], list[BenchCase]]] = {}

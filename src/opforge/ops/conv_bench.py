@@ -90,6 +90,7 @@ def cases(device: str) -> list[BenchCase]:
                         grad_inputs=(0, 1, 2),
                         atol=1e-2 if dtype == torch.bfloat16 else 1e-4,
                         rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+                        relu_output=True,
                         quick=i == 0 and not channels_last,
                     )
                 )
@@ -109,6 +110,7 @@ def cases(device: str) -> list[BenchCase]:
                     # TF32 on both sides for float32 on CUDA (allow_tf32 is followed)
                     atol=5e-2 if dtype == torch.bfloat16 else 1e-2,
                     rtol=5e-2 if dtype == torch.bfloat16 else 1e-2,
+                    relu_output=True,
                     quick=i == 0,
                 )
             )
