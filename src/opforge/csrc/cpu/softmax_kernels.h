@@ -150,8 +150,8 @@ inline void affine_from_acc(const float* src, T* dst, int64_t n, float mul, floa
 // (ln2 in two parts, so r is exact), p the degree-5 polynomial exp_u20 uses,
 // and 2^k applied by vscalefps (which underflows to denormals and 0 as exp
 // does): 11 instructions against exp_u20's 19 plus vexp's NaN blend, on a
-// CPU path that is bound by this arithmetic (the float forward runs as fast
-// with its input in cache as from memory). Elsewhere: vexp.
+// CPU path that is bound by this arithmetic (the float forward ran about as
+// fast with its input in cache as from memory). Elsewhere: vexp.
 template <typename A>
 inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
 #if defined(CPU_CAPABILITY_AVX512)
