@@ -177,9 +177,10 @@ inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
 // blocks of 1024 values (two accumulators each), then the block sums: long
 // rows lose far less to rounding than with one running sum. A finite m
 // means src holds no NaN and no +inf: exp_nonpos.
-template <bool kStore, bool kFinite, typename A>
-inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m) {
+template <bool kStore, bool kFinite, bool kNext = false, typename A>
+inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m, const A* nx = nullptr, A* nmax = nullptr) {
   using V = Vectorized<A>;
+  V n0(-std::numeric_limits<A>::infinity()), n1 = n0;
   auto ex = [](const V& v) {
     if constexpr (kFinite) {
       return exp_nonpos(v);
@@ -195,6 +196,10 @@ inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m) {
     const int64_t end = std::min<int64_t>(n, i + 1024);
     V a0(0), a1(0);
     for (; i + 2 * W <= end; i += 2 * W) {
+      if constexpr (kNext) {
+        n0 = at::vec::maximum(n0, V::loadu(nx + i));
+        n1 = at::vec::maximum(n1, V::loadu(nx + i + W));
+      }
       const V e0 = ex(V::loadu(src + i) - vm);
       const V e1 = ex(V::loadu(src + i + W) - vm);
       if constexpr (kStore) {
@@ -205,6 +210,7 @@ inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m) {
       a1 = a1 + e1;
     }
     for (; i + W <= end; i += W) {
+      if constexpr (kNext) n0 = at::vec::maximum(n0, V::loadu(nx + i));
       const V e = ex(V::loadu(src + i) - vm);
       if constexpr (kStore) e.store(dst + i);
       a0 = a0 + e;
@@ -217,7 +223,22 @@ inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m) {
     if constexpr (kStore) e.store(dst + i, r);
     acc = acc + V::set(V(0), e, r);  // lanes past the row stay 0
   }
+  if constexpr (kNext) {
+    n0 = at::vec::maximum(n0, n1);
+    A mx = at::vec::vec_reduce_all<A>([](V& u, V& w) { return at::vec::maximum(u, w); }, n0);
+    for (int64_t j = n / W * W; j < n; ++j) mx = max_nan(mx, nx[j]);
+    *nmax = mx;
+  }
   return at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc);
+}
+
+// exp_and_sum of src, and the max of the n values at nx (the next row),
+// taken in the same loop: that row's loads from memory overlap this row's
+// exp arithmetic.
+template <typename A>
+inline A exp_and_sum_next_max(const A* src, A* dst, int64_t n, A m, const A* nx, A* nmax) {
+  return std::isfinite(m) ? exp_sum_pass<true, true, true>(src, dst, n, m, nx, nmax)
+                          : exp_sum_pass<true, false, true>(src, dst, n, m, nx, nmax);
 }
 
 template <bool kStore, typename A>
@@ -399,6 +420,8 @@ void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
   const T* in = static_cast<const T*>(a.in);
   T* out = static_cast<T*>(a.out);
   const bool masked_mode = a.mode == sm::Mode::ScaledMasked;
+  bool next_max_ready = false;
+  A next_max = A(0);
   for (int64_t r = r0; r < r1; ++r) {
     const T* x = in + r * K;
     T* y = out + r * K;
@@ -439,12 +462,16 @@ void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
         r += kRows - 1;
         continue;
       }
-      const A m = in_max(x, K);
       if constexpr (kNeedsConvert<T>) {
+        const A m = in_max(x, K);
         const A s = in_exp_sum(x, buf, K, m);
         scale_out<T>(buf, y, K, A(1) / s);
       } else {
-        const V inv(A(1) / exp_and_sum(x, y, K, m));
+        // float: row r + 1's max is taken in row r's exp pass.
+        const A m = next_max_ready ? next_max : in_max(x, K);
+        next_max_ready = r + 1 < r1;
+        const A s = next_max_ready ? exp_and_sum_next_max(x, y, K, m, x + K, &next_max) : exp_and_sum(x, y, K, m);
+        const V inv(A(1) / s);
         at::vec::map([inv](V v) { return v * inv; }, y, y, K);
       }
     }
