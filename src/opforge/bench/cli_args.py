@@ -75,7 +75,7 @@ def run_bench(args) -> int:
             print("opforge bench: --from-json redraws a saved run; it takes no ops, --dtype, --mode, --quick or --json")
             return 2
         run = report.read_json(args.from_json)
-        return _write_outputs(run, args, report)
+        return _write_outputs(run, args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("opforge bench: --device cuda, but torch sees no CUDA GPU")
@@ -96,11 +96,13 @@ def run_bench(args) -> int:
         print(f"opforge bench: unknown op {', '.join(unknown)}; registered: {', '.join(sorted(known))}")
         return 2
     run = harness.run(settings, progress=args.progress)
-    return _write_outputs(run, args, report)
+    return _write_outputs(run, args)
 
 
-def _write_outputs(run, args, report) -> int:
+def _write_outputs(run, args) -> int:
     """Prints the table, writes the files asked for; 1 if any opforge result was not ok."""
+    from . import report
+
     print(report.table(run))
     if args.json:
         report.write_json(run, args.json)

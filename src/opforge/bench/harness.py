@@ -221,16 +221,21 @@ def _prepare_inputs(case: BenchCase, mode: str) -> list:
     return inputs
 
 
+def _differentiable(out) -> list[torch.Tensor]:
+    """The outputs that require grad, in the order incoming gradients follow."""
+    return [t for t in _tensors(out) if t.requires_grad]
+
+
 def _out_grads(out) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The differentiable outputs and a random incoming gradient for each."""
-    outs = [t for t in _tensors(out) if t.requires_grad]
+    outs = _differentiable(out)
     return outs, [torch.randn_like(t) for t in outs]
 
 
 def _forward_and_grads(fn, case: BenchCase, inputs: list, grads_seed: list | None = None):
     """Forward + input gradients (for the correctness check of bwd/full modes)."""
     out = fn(*inputs)
-    outs = [t for t in _tensors(out) if t.requires_grad]
+    outs = _differentiable(out)
     if not outs:
         raise AssertionError("output does not require grad")
     if grads_seed is None:
@@ -260,8 +265,7 @@ def _check_provider(fn, case: BenchCase, mode: str, reference_fn) -> None:
     want_out, want_grads, seed = _forward_and_grads(reference_fn, case, _clone_inputs(inputs))
     got_out, got_grads, _ = _forward_and_grads(fn, case, _clone_inputs(inputs), seed)
     if case.relu_output:
-        outs = lambda out: [t for t in _tensors(out) if t.requires_grad]  # noqa: E731  (the seeds' order)
-        agree = [(g > 0) == (w.to(g.dtype) > 0) for g, w in zip(outs(got_out), outs(want_out))]
+        agree = [(g > 0) == (w.to(g.dtype) > 0) for g, w in zip(_differentiable(got_out), _differentiable(want_out))]
         if not all(bool(a.all()) for a in agree):
             seed = [s * a.to(s.dtype) for s, a in zip(seed, agree)]
             want_out, want_grads, _ = _forward_and_grads(reference_fn, case, _clone_inputs(inputs), seed)
@@ -309,8 +313,7 @@ def _timed_callable(fn, case: BenchCase, mode: str, sets: list[list]) -> Callabl
         def call():
             i = state[0] = (state[0] + 1) % n
             s, gin, seeds = prepared[i]
-            outs = [t for t in _tensors(fn(*s)) if t.requires_grad]
-            torch.autograd.grad(outs, gin, seeds, allow_unused=True)
+            torch.autograd.grad(_differentiable(fn(*s)), gin, seeds, allow_unused=True)
 
         return call
     # bwd: one retained graph per input set

@@ -176,7 +176,8 @@ inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
 // (dst may alias src); m is the max of src (NaN if src has one). Summed in
 // blocks of 1024 values (two accumulators each), then the block sums: long
 // rows lose far less to rounding than with one running sum. A finite m
-// means src holds no NaN and no +inf: exp_nonpos.
+// means src holds no NaN and no +inf: exp_nonpos. With kNext, the max of
+// the n values at nx goes to *nmax, taken in the same loop.
 template <bool kStore, bool kFinite, bool kNext = false, typename A>
 inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m, const A* nx = nullptr, A* nmax = nullptr) {
   using V = Vectorized<A>;
@@ -232,18 +233,18 @@ inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m, const A* nx = nullpt
   return at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc);
 }
 
+template <bool kStore, bool kNext = false, typename A>
+inline A exp_sum_blocked(const A* src, A* dst, int64_t n, A m, const A* nx = nullptr, A* nmax = nullptr) {
+  return std::isfinite(m) ? exp_sum_pass<kStore, true, kNext>(src, dst, n, m, nx, nmax)
+                          : exp_sum_pass<kStore, false, kNext>(src, dst, n, m, nx, nmax);
+}
+
 // exp_and_sum of src, and the max of the n values at nx (the next row),
 // taken in the same loop: that row's loads from memory overlap this row's
 // exp arithmetic.
 template <typename A>
 inline A exp_and_sum_next_max(const A* src, A* dst, int64_t n, A m, const A* nx, A* nmax) {
-  return std::isfinite(m) ? exp_sum_pass<true, true, true>(src, dst, n, m, nx, nmax)
-                          : exp_sum_pass<true, false, true>(src, dst, n, m, nx, nmax);
-}
-
-template <bool kStore, typename A>
-inline A exp_sum_blocked(const A* src, A* dst, int64_t n, A m) {
-  return std::isfinite(m) ? exp_sum_pass<kStore, true>(src, dst, n, m) : exp_sum_pass<kStore, false>(src, dst, n, m);
+  return exp_sum_blocked<true, true>(src, dst, n, m, nx, nmax);
 }
 
 // dst[i] = exp(src[i] - m); returns the sum. dst may alias src.
