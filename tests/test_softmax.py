@@ -573,8 +573,10 @@ def test_cuda_misaligned_vector_fallback():
 
 
 # Explicit launch plans (threads per row, rows per block, vectors per thread,
-# cluster[, stream]): every kind of plan the default heuristic may choose, on row
+# cluster): every kind of plan the default heuristic may choose, on row
 # lengths that fill a block exactly, partly, or spill into a last chunk.
+# float16 and bfloat16 run the forward on values held packed, up to 16
+# vectors (128 values) per thread.
 PLANS = [
     (64, (32, 4, 1, False)),  # warp per row, several rows per block
     (64, (8, 16, 4, False)),  # a slice of a warp per row
@@ -583,36 +585,35 @@ PLANS = [
     (40000, (512, 1, 4, True)),  # cluster of several blocks (or split where clusters are unavailable)
     (70001, (512, 1, 8, True)),  # cluster past 8 blocks for scalar loads
     (40000, (256, 1, 2, False)),  # two-pass split
-    (64, (8, 16, 4, False, True)),  # the persistent kernel streaming rows: slices of warps
-    (4096, (256, 1, 4, False, True)),  # ... a block per row (a split for float64: the plain kernels)
-    (3000, (128, 1, 8, False, True)),  # ... rows shorter than the block holds
-    (40000, (256, 1, 8, True, True)),  # ... clusters
-    (70000, (256, 1, 16, True, True)),  # ... clusters of threads holding 64 registers of values
+    (3000, (128, 1, 8, False)),  # rows shorter than the block holds
+    (70000, (256, 1, 16, True)),  # clusters of threads holding 64 registers of values
+    (300000, (128, 1, 16, False)),  # two-pass split of long chunks
 ]
 
 
 def max_vectors(dtype, K, arrays):
-    """The kernels' limit: 64 registers of `arrays` opmath values per element (1 forward, 2 backward)."""
-    width = 16 // torch.empty((), dtype=dtype).element_size()
+    """The kernels' limit: 64 registers of `arrays` opmath values per element (1 forward, 2 backward),
+    or of values as loaded, two per register (the forward of 16-byte vectors of 2-byte types)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    width = 16 // size
     v = width if K % width == 0 else 1  # 16-byte vectors only when rows keep the alignment
-    words = arrays * (2 if dtype == torch.float64 else 1)
+    words_per_vec = v // 2 if size == 2 and v > 1 and arrays == 1 else v * arrays * (2 if size == 8 else 1)
     it = 16
-    while it > 1 and v * it * words > 64:
+    while it > 1 and it * words_per_vec > 64:
         it //= 2
     return it
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("K,plan", PLANS)
 def test_cuda_explicit_plans(dtype, K, plan):
-    # Enough rows that the persistent kernel's blocks loop over several rows.
     M = 6_000_000 // K + 7
     x = rand((M, K), dtype, "cuda", scale=3.0)
     x[1, K // 3] = float("-inf")
-    tpr, rpb, vectors, cluster = plan[:4]
+    tpr, rpb, vectors, cluster = plan
     with poisoned("cuda"):
-        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), cluster, *plan[4:])
+        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), cluster)
     assert_close(y.cpu(), ref("softmax", x, -1), rtol_scale=max(1.0, K / 100000))
     g = rand((M, K), dtype, "cuda")
     vectors = min(vectors, max_vectors(dtype, K, 2))
@@ -655,6 +656,3 @@ def test_cuda_explicit_plan_errors():
         torch.ops.opforge._softmax_backward_plan(x, x, 32, 4, 1, False, True)
     with pytest.raises(ValueError, match="threads_per_row must be in \\[1, 512\\], got 0"):
         torch.ops.opforge._softmax_plan(x, 0, 1, 1, False)
-    # 64 registers of float32 values per thread: the persistent kernel runs blocks of up to 256 threads.
-    with pytest.raises(ValueError, match="persistent kernel with 16 vectors per thread runs blocks of at most 256"):
-        torch.ops.opforge._softmax_plan(torch.randn(4, 70000, device="cuda"), 512, 1, 16, True, True)

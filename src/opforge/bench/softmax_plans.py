@@ -37,30 +37,24 @@ def _pow2(lo: int, hi: int) -> list[int]:
 
 
 def max_vectors(dtype: torch.dtype, arrays: int) -> int:
-    """Vectors per thread the kernels allow (64 registers' worth of opmath values)."""
-    v = 16 // torch.empty((), dtype=dtype).element_size()
-    words = arrays * (2 if dtype == torch.float64 else 1)
+    """Vectors per thread the kernels allow: 64 registers' worth of opmath values, or of
+    values as loaded (two per register) in the forward of the 2-byte types."""
+    size = torch.empty((), dtype=dtype).element_size()
+    v = 16 // size
+    words_per_vec = v // 2 if size == 2 and arrays == 1 else v * arrays * (2 if size == 8 else 1)
     it = 16
-    while it > 1 and v * it * words > 64:
+    while it > 1 and it * words_per_vec > 64:
         it //= 2
     return it
 
 
 def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
-    """(threads_per_row, rows_per_block, vectors_per_thread, cluster[, stream or loop]) plans worth timing for rows of k.
+    """(threads_per_row, rows_per_block, vectors_per_thread, cluster[, loop]) plans worth timing for rows of k.
 
-    Forward plans that hold a row in one block or a cluster come twice: with
-    the plain kernels and with the persistent kernel that streams rows
-    through shared memory. Backward rows longer than a block holds also get
-    looping plans (a block per row walking it twice in tiles).
+    Backward rows longer than a block holds also get looping plans (a block
+    per row walking it twice in tiles).
     """
-    size = torch.empty((), dtype=dtype).element_size()
-    v = 16 // size
-
-    def stream_fits(block: int, it: int) -> bool:
-        # The persistent kernel holding 64 registers of 4- or 8-byte values runs blocks of up to 256 threads.
-        return size == 2 or block <= 256 or v * it * (2 if size == 8 else 1) < 64
-
+    v = 16 // torch.empty((), dtype=dtype).element_size()
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
         for tpr in _pow2(1, 512):
@@ -71,8 +65,6 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
                 for rpb in _pow2(1, 512 // tpr):
                     if tpr * rpb in (128, 256, 512) or (rpb == 1 and tpr * rpb > 512 // 2):
                         out.append((tpr, rpb, it, False))
-                        if arrays == 1 and stream_fits(tpr * rpb, it):
-                            out.append((tpr, rpb, it, False, True))
             elif tpr >= 128:
                 if arrays == 2:
                     out.append((tpr, 1, it, False, True))  # a block per row walking it twice
@@ -80,8 +72,6 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
                     continue
                 if math.ceil(k / cap) <= 16:
                     out.append((tpr, 1, it, True))
-                    if arrays == 1 and stream_fits(tpr, it):
-                        out.append((tpr, 1, it, True, True))
                 if math.ceil(k / cap) <= 64:
                     out.append((tpr, 1, it, False))
     return out
@@ -145,8 +135,7 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
     for name, fn in providers.items():
         record(name, fn)
     for plan in candidates(k, dtype, arrays):
-        extra = "/stream" if mode == "fwd" else "/loop"
-        kind = ("cluster" if plan[3] else "-") + (extra if len(plan) > 4 and plan[4] else "")
+        kind = ("cluster" if plan[3] else "-") + ("/loop" if len(plan) > 4 and plan[4] else "")
         record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, plan=plan: plan_op(*a, *plan))
     return rows
 

@@ -8,12 +8,11 @@
 //  * short rows: a warp, or a power-of-two slice of one, per row,
 //    reductions by shuffles only, several rows per block;
 //  * medium rows: a block per row, the row held in registers, so the input is
-//    read once and the output written once;
-//  * long forward rows of the half types: a persistent kernel
-//    (fwd_stream_kernel) whose threads queue their next row's copies into
-//    shared memory (cp.async) while the current row is reduced and written;
-//    4- and 8-byte rows up to 512 threads x 64 registers of values stay in
-//    one block per row;
+//    read once and the output written once; the forward of float16 and
+//    bfloat16 holds the values as loaded, two per register (kPacked), so a
+//    thread holds 64 values in 32 registers and two 512-thread blocks fit
+//    on an SM; 4- and 8-byte forward rows up to 512 threads x 64 registers
+//    of values stay in one block per row;
 //  * rows longer than a block, on Hopper and later: the row is split over a
 //    cluster of up to 16 blocks, each holding its chunk in registers; the
 //    blocks exchange their chunk's (max, sum of exp) through distributed
@@ -45,7 +44,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
@@ -74,9 +72,19 @@ using Acc = at::opmath_type<T>;
 // registers per thread, room for 64 values held in registers without spills.
 constexpr int kMaxGroup = 512;
 
-// 32-bit registers of opmath values a thread of a row kernel holds.
-template <typename T, int V, int IT, int ARRAYS>
+// Whether the forward holds a half type's row as loaded, two values per
+// register, instead of widened to float (16-byte vectors of float16 or
+// bfloat16; softmax and log_softmax): half the registers for the same row,
+// so twice the row per thread, or twice the resident threads per SM. The
+// price is a second exp per element (softmax recomputes exp(x - max) for
+// its output instead of keeping it).
+template <typename T, int V, int ARRAYS, sm::Mode MODE>
+constexpr bool kPacked = sizeof(T) == 2 && V > 1 && ARRAYS == 1 && MODE != sm::Mode::ScaledMasked;
+
+// 32-bit registers of values a thread of a row kernel holds.
+template <typename T, int V, int IT, int ARRAYS, sm::Mode MODE = sm::Mode::Softmax>
 constexpr int value_words() {
+  if constexpr (kPacked<T, V, ARRAYS, MODE>) return V * IT / 2;
   return V * IT * ARRAYS * static_cast<int>(sizeof(at::opmath_type<T>) / 4);
 }
 
@@ -90,7 +98,7 @@ constexpr int value_words() {
 template <typename T, int V, int IT, int ARRAYS, sm::Mode MODE>
 constexpr int rows_min_blocks() {
   const int roomy = (MODE == sm::Mode::ScaledMasked && ARRAYS == 1) + (V == 1) + (sizeof(at::opmath_type<T>) == 8);
-  return value_words<T, V, IT, ARRAYS>() <= (32 >> roomy) ? 2 : 1;
+  return value_words<T, V, IT, ARRAYS, MODE>() <= (32 >> roomy) ? 2 : 1;
 }
 
 template <typename A>
@@ -343,12 +351,44 @@ __device__ __forceinline__ void store_row(T* __restrict__ p, const Segment& s, i
 
 // ------------------------------------------------------------------ forward, inner-most dim
 
+// A segment's (max, sum of exp) -> the row's: phase 2 combines the row's
+// partials in global memory (M = max m_i, S = sum s_i * exp(m_i - M)),
+// phase 3 the cluster's blocks. Every thread of the block must call it.
+template <typename A>
+__device__ __forceinline__ void combine_chunks(A m, A sum, const Segment& s, int G, int phase, int64_t row0,
+                                               const A* partials, int nchunks, A* smem, A& gm, A& gs) {
+  if (phase == 2) {
+    const A* p = partials + (s.row - row0) * nchunks * 2;
+    gm = neg_inf<A>();
+    for (int i = s.lane; i < nchunks; i += G) gm = max_nan(gm, s.valid ? p[2 * i] : neg_inf<A>());
+    gm = group_reduce(gm, G, MaxOp{}, smem);
+    gs = 0;
+    for (int i = s.lane; i < nchunks; i += G) {
+      if (s.valid && p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
+    }
+    gs = group_reduce(gs, G, SumOp{}, smem);
+  } else {
+    cluster_max_sum(m, sum, gm, gs);
+  }
+}
+
+// Phase 1: this chunk's (max, sum) to the partials; an all -inf chunk
+// contributes nothing.
+template <typename A>
+__device__ __forceinline__ void write_partial(A m, A sum, const Segment& s, int64_t row0, A* partials, int nchunks) {
+  if (s.lane == 0 && s.valid) {
+    A* p = partials + ((s.row - row0) * nchunks + blockIdx.x) * 2;
+    p[0] = m;
+    p[1] = m == neg_inf<A>() ? A(0) : sum;
+  }
+}
+
 // From a segment's values (-inf past its end) to its outputs, in place:
 // the max and the sum of exps over the row (phase 0), over the chunk then
-// combined with the row's other chunks (phase 2: partials in global memory,
-// phase 3: the cluster's blocks), and the normalisation. Phase 1 only writes
-// the chunk's (max, sum) partial and returns false: nothing to store. Every
-// thread of the block must call it.
+// combined with the row's other chunks (phases 2 and 3, combine_chunks),
+// and the normalisation. Phase 1 only writes the chunk's (max, sum)
+// partial and returns false: nothing to store. Every thread of the block
+// must call it.
 template <typename T, int V, int IT, sm::Mode MODE>
 __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segment& s, int G, int phase,
                                                int64_t row0, Acc<T>* partials, int nchunks, Acc<T>* smem) {
@@ -378,30 +418,12 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
   sum = group_reduce(sum, G, SumOp{}, smem);
 
   if (phase == 1) {
-    // This chunk's (max, sum); an all -inf chunk contributes nothing.
-    if (s.lane == 0 && s.valid) {
-      A* p = partials + ((s.row - row0) * nchunks + blockIdx.x) * 2;
-      p[0] = m;
-      p[1] = m == neg_inf<A>() ? A(0) : sum;
-    }
+    write_partial(m, sum, s, row0, partials, nchunks);
     return false;
   }
   if (phase >= 2) {
     A gm, gs;
-    if (phase == 2) {
-      // Combine the row's partials: M = max m_i, S = sum s_i * exp(m_i - M).
-      const A* p = partials + (s.row - row0) * nchunks * 2;
-      gm = neg_inf<A>();
-      for (int i = s.lane; i < nchunks; i += G) gm = max_nan(gm, s.valid ? p[2 * i] : neg_inf<A>());
-      gm = group_reduce(gm, G, MaxOp{}, smem);
-      gs = 0;
-      for (int i = s.lane; i < nchunks; i += G) {
-        if (s.valid && p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
-      }
-      gs = group_reduce(gs, G, SumOp{}, smem);
-    } else {
-      cluster_max_sum(m, sum, gm, gs);
-    }
+    combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, gm, gs);
     // Rescale this chunk's values from its own max to the row's.
     // (An all -inf chunk holds exp(-inf - -inf) = NaN: its values are 0
     // unless the whole row is -inf, where torch's NaN is right.)
@@ -443,6 +465,161 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
   return true;
 }
 
+// Registers of two 2-byte values (the packed forward, kPacked): the first
+// in memory in the low half. widen2 is asm volatile on purpose: the compiler
+// must re-widen in every pass rather than keep the widened values alive
+// between passes, which would undo the packing.
+template <typename T>
+__device__ __forceinline__ void widen2(uint32_t w, float& lo, float& hi) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    asm volatile("shl.b32 %0, %2, 16;\n\tand.b32 %1, %2, 0xffff0000;" : "=f"(lo), "=f"(hi) : "r"(w));
+  } else {
+    asm volatile("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+                 : "=f"(lo), "=f"(hi)
+                 : "r"(w));
+  }
+#endif
+}
+
+// Rounds two floats to T (nearest even, as static_cast<T>) in one register.
+template <typename T>
+__device__ __forceinline__ uint32_t narrow2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t r;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(r) : "f"(lo), "f"(hi));
+  }
+  return r;
+#else
+  const T l = static_cast<T>(lo), h = static_cast<T>(hi);
+  return static_cast<uint32_t>(l.x) | (static_cast<uint32_t>(h.x) << 16);
+#endif
+}
+
+// The largest value (NaN if any) of a thread's packed words, as float:
+// from sm_80 on one max per two values (max.NaN on the pairs).
+template <typename T, int N>
+__device__ __forceinline__ float packed_max(const uint32_t (&w)[N]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint32_t pm = w[0];
+#pragma unroll
+  for (int i = 1; i < N; ++i) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(pm) : "r"(pm), "r"(w[i]));
+    } else {
+      asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(pm) : "r"(pm), "r"(w[i]));
+    }
+  }
+  float lo, hi;
+  widen2<T>(pm, lo, hi);
+  return max_nan(lo, hi);
+#else
+  float m = neg_inf<float>();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float lo, hi;
+    widen2<T>(w[i], lo, hi);
+    m = max_nan(m, max_nan(lo, hi));
+  }
+  return m;
+#endif
+}
+
+// finish_forward for values held as loaded (kPacked): w holds the
+// segment's IT vectors of V values, V / 2 registers each (-inf past the
+// row). The same max, sum and combination, but each output is computed
+// from its input, exp(x - M) / S (or x - M - log S), so chunks need no
+// rescaling. For a row held whole (phase 0) the outputs equal
+// finish_forward's bit for bit.
+template <typename T, int V, int IT, sm::Mode MODE>
+__device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2], const Segment& s, int G, int phase,
+                                                      int64_t row0, float* partials, int nchunks, float* smem) {
+  constexpr int W = V / 2;  // registers per vector
+  float m = group_reduce(packed_max<T>(w), G, MaxOp{}, smem);
+
+  float sum = 0;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    if (s.offset(it, G, V) < s.len) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        float lo, hi;
+        widen2<T>(w[it * W + k], lo, hi);
+        sum += elem_exp(lo - m);
+        sum += elem_exp(hi - m);
+      }
+    }
+  }
+  sum = group_reduce(sum, G, SumOp{}, smem);
+
+  if (phase == 1) {
+    write_partial(m, sum, s, row0, partials, nchunks);
+    return false;
+  }
+  if (phase >= 2) combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, m, sum);
+
+  const float c = MODE == sm::Mode::LogSoftmax ? m + dev_log(sum) : m;
+  const float inv = 1.0f / sum;
+#pragma unroll
+  for (int k = 0; k < IT * W; ++k) {
+    float lo, hi;
+    widen2<T>(w[k], lo, hi);
+    if constexpr (MODE == sm::Mode::LogSoftmax) {
+      w[k] = narrow2<T>(lo - c, hi - c);
+    } else {
+      w[k] = narrow2<T>(elem_exp(lo - c) * inv, elem_exp(hi - c) * inv);
+    }
+  }
+  return true;
+}
+
+// The bits of two -inf values of 2-byte T in one register (the packed
+// forward's fill past the row).
+template <typename T>
+__device__ __forceinline__ uint32_t packed_neg_inf() {
+  const uint32_t h = static_cast<T>(neg_inf<float>()).x;
+  return h | (h << 16);
+}
+
+// The segment's vectors as loaded, V / 2 registers each, -inf past the row
+// (see load_raw).
+template <typename T, int V, int IT>
+__device__ __forceinline__ void load_packed(const T* __restrict__ p, const Segment& s, int G,
+                                            uint32_t (&w)[IT * V / 2]) {
+  const T* q = p + s.begin;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int off = s.offset(it, G, V);
+    if (s.valid && off < s.len) {
+      const auto vec = opforge::cuda::load_vec<T, V>(q, off / V);
+      memcpy(&w[it * V / 2], &vec, sizeof(vec));
+    } else {
+#pragma unroll
+      for (int k = 0; k < V / 2; ++k) w[it * V / 2 + k] = packed_neg_inf<T>();
+    }
+  }
+}
+
+// Stores the segment's vectors that lie in the row from packed registers.
+template <typename T, int V, int IT>
+__device__ __forceinline__ void store_packed(T* __restrict__ p, const Segment& s, int G,
+                                             const uint32_t (&w)[IT * V / 2]) {
+  if (!s.valid) return;
+  T* q = p + s.begin;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int off = s.offset(it, G, V);
+    if (off < s.len) {
+      AlignedVec<T, V> vec;
+      memcpy(&vec, &w[it * V / 2], sizeof(vec));
+      opforge::cuda::store_vec<T, V>(q, off / V, vec);
+    }
+  }
+}
+
 template <typename T, int V, int IT, sm::Mode MODE>
 __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>())) fwd_rows_kernel(sm::FwdArgs a, int G, int phase, int64_t row0,
                                                              int64_t rows, int64_t chunk, Acc<T>* partials,
@@ -454,6 +631,14 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
   const T* x = static_cast<const T*>(a.in) + s.row * K;
   T* y = static_cast<T*>(a.out) + s.row * K;
 
+  if constexpr (kPacked<T, V, 1, MODE>) {
+    uint32_t w[IT * V / 2];
+    load_packed<T, V, IT>(x, s, G, w);
+    if (finish_forward_packed<T, V, IT, MODE>(w, s, G, phase, row0, partials, nchunks, smem)) {
+      store_packed<T, V, IT>(y, s, G, w);
+    }
+    return;
+  }
   A vals[IT][V];
   int limit = s.len;  // segment offsets from here on are not read
   if constexpr (MODE == sm::Mode::ScaledMasked) {
@@ -497,93 +682,6 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
   }
 
   if (finish_forward<T, V, IT, MODE>(vals, s, G, phase, row0, partials, nchunks, smem)) store_row<T, V, IT>(y, s, G, vals);
-}
-
-// Persistent, pipelined forward (softmax and log_softmax, 16-byte aligned
-// rows): a grid of as many blocks (or clusters) as fit on the GPU at once,
-// each looping over rows (blockIdx.y + i * gridDim.y, times rows per
-// block). As soon as a thread has moved a row's elements from shared memory
-// into registers it queues the copies of its next row (cp.async), which
-// land while this row is reduced and written: the memory system does not
-// wait for the block's reductions. Each thread copies exactly the slots it
-// later reads, so no barrier guards them. With nchunks > 1 the row is split over the cluster as in phase 3.
-// Most threads per block of the persistent kernel. With 64 registers of
-// float32 or float64 values per thread (16-byte vectors of 4 or 8 bytes:
-// twice the copies in flight of the half types' 64 values) the kernel needs
-// more than the 128 registers a 512-thread block leaves, so those
-// instantiations are built for blocks of up to 256 threads; the default
-// plans respect it and an explicit plan asking for more is refused.
-template <typename T, int V, int IT>
-constexpr int stream_max_threads() {
-  return !kWidened<T> && V * IT * static_cast<int>(sizeof(Acc<T>)) / 4 >= 64 ? 256 : kMaxGroup;
-}
-
-template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(stream_max_threads<T, V, IT>(), 1) fwd_stream_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk,
-                                                               int nchunks) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  using A = Acc<T>;
-  using Vec = AlignedVec<T, V>;
-  extern __shared__ __align__(16) unsigned char stream_smem[];
-  __shared__ A smem[32];
-  Vec* stages = reinterpret_cast<Vec*>(stream_smem);  // [IT][blockDim.x]
-  const int64_t K = a.K;
-  const int rows_per_block = div_group(blockDim.x, G);
-  Segment s;
-  s.lane = mod_group(threadIdx.x, G);
-  s.begin = nchunks > 1 ? static_cast<int64_t>(blockIdx.x) * chunk : 0;
-  s.len = static_cast<int>(nchunks > 1 ? min(K - s.begin, chunk) : K);
-  const int group = div_group(threadIdx.x, G);
-  const int64_t step = static_cast<int64_t>(gridDim.y) * rows_per_block;
-  const T* x = static_cast<const T*>(a.in);
-  T* y = static_cast<T*>(a.out);
-
-  // Slots of this thread: vector it at stages[it * blockDim.x + threadIdx.x].
-  const uint32_t slot0 = opforge::cuda::smem_u32(&stages[threadIdx.x]);
-  const uint32_t slot_step = blockDim.x * sizeof(Vec);
-  const int avail = s.len - s.lane * V;  // elements from this thread's first slot on
-  auto issue = [&](int64_t base) {
-    const int64_t row = base + group;
-    const bool row_ok = row < rows;
-    const T* src = x + (row_ok ? row : 0) * K + s.begin + s.lane * V;
-    const uint32_t dst = slot0;
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      const bool ok = row_ok && it * G * V < avail;
-      opforge::cuda::cp_async16(dst + it * slot_step, ok ? src + it * G * V : x, ok);
-    }
-  };
-
-  int64_t base = static_cast<int64_t>(blockIdx.y) * rows_per_block;
-  if (base < rows) issue(base);
-  opforge::cuda::cp_async_commit();
-  for (; base < rows; base += step) {  // uniform over the block and the cluster
-    opforge::cuda::cp_async_wait<0>();  // this thread's copies of the current row have landed
-    s.row = base + group;
-    s.valid = s.row < rows;
-    A vals[IT][V];
-#pragma unroll
-    for (int it = 0; it < IT; ++it) {
-      if (s.valid && it * G * V < avail) {
-        const Vec v = stages[it * blockDim.x + threadIdx.x];
-#pragma unroll
-        for (int e = 0; e < V; ++e) vals[it][e] = static_cast<A>(v.val[e]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < V; ++e) vals[it][e] = neg_inf<A>();
-      }
-    }
-    // The slots are consumed: the next row's copies fly while this one is reduced and written.
-    if (base + step < rows) issue(base + step);
-    opforge::cuda::cp_async_commit();
-    if (finish_forward<T, V, IT, MODE>(vals, s, G, nchunks > 1 ? 3 : 0, 0, nullptr, nchunks, smem)) {
-      store_row<T, V, IT>(y + s.row * K, s, G, vals);
-    }
-  }
-  opforge::cuda::cp_async_wait<0>();
-#else
-  __trap();
-#endif
 }
 
 // ------------------------------------------------------------------ backward, inner-most dim
@@ -789,11 +887,11 @@ constexpr int words_per_elem(int arrays) {
   return arrays * static_cast<int>(sizeof(Acc<T>) / 4);
 }
 
-// Largest elements-per-thread multiplier IT (<= 16) keeping the values a
-// thread holds within `budget` registers.
-constexpr int iters_within(int V, int words, int budget) {
+// Largest vectors-per-thread IT (<= 16) keeping the values a thread holds
+// within `budget` registers, a vector taking `words_per_vec`.
+constexpr int iters_within(int words_per_vec, int budget) {
   int it = 16;
-  while (it > 1 && V * it * words > budget) it /= 2;
+  while (it > 1 && it * words_per_vec > budget) it /= 2;
   return it;
 }
 
@@ -824,7 +922,6 @@ struct PlanRequest {
   int rows_per_block;
   int it;
   bool cluster;
-  bool stream = false;  // forward only: the persistent, pipelined kernel
   bool loop = false;    // backward only: a block per row walks it twice (bwd_loop_kernel)
 };
 
@@ -835,7 +932,6 @@ struct Plan {
   Kind kind = Kind::Rows;
   int64_t chunk = 0;  // elements per block (Cluster, Split), per tile (Loop)
   int nchunks = 1;
-  bool stream = false;
 };
 
 Plan plan_from(const PlanRequest& r, int64_t K, int V) {
@@ -843,7 +939,6 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   p.it = r.it;
   p.G = r.threads_per_row;
   p.block = r.threads_per_row * r.rows_per_block;
-  p.stream = r.stream;
   const int64_t capacity = int64_t{p.G} * V * p.it;
   if (r.loop) {
     TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a looping plan needs one row per block");
@@ -876,8 +971,8 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //    values (backward);
 //  * otherwise one block of up to itmax vectors per thread, else the
 //    two-pass split.
-// Long rows of the half types take the persistent, pipelined kernel
-// (forward) or the looping kernel (backward): see default_request.
+// The forward of the half types held packed and long backward rows of the
+// half types have their own rules: see default_request.
 // itmax / itlight: vectors per thread in 64 / 32 registers of values.
 PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
   const int e_short = 16, e_long = 32;
@@ -922,69 +1017,56 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
   return {kMaxGroup, 1, itlight, false};
 }
 
-PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
-  // Long forward rows of the half types (16-byte vectors of 8 values) from
-  // 8192 elements on: the persistent kernel with 64 registers of values per
-  // thread, one block per row while 512 threads hold it, else a cluster of
-  // blocks of 256 threads (512 past 8 blocks): the measured best. For 4- and
-  // 8-byte types the plain kernels measured faster at every length.
-  if (arrays == 1 && V >= 8 && K >= 8192) {
-    if (K <= int64_t{kMaxGroup} * V * itmax) {
-      return {static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * itmax))), 1, itmax, false, true};
+// packed: the forward holds the row as loaded (kPacked).
+PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool packed) {
+  // Forward rows of the half types held packed, past the short rows
+  // (512 elements): threads of E = 32 values up to 2048 elements, E = 64
+  // beyond (32 registers of packed values); one block per row while 512
+  // threads hold it, else a cluster of up to 16 blocks of 256 threads (512
+  // beyond), else the split. Measured best on an H200 (bfloat16): a block
+  // of 128 threads x 64 values on 8192 x 8192, 512 x 64 on 4096 x 32768, a
+  // cluster of 16 x 256 x 64 on 512 x 262144, 32 x 32 on 8192 x 1024.
+  if (packed && K > 512) {
+    const int it = (K <= 2048 ? 32 : 64) / V;
+    if (K <= int64_t{kMaxGroup} * V * it) {
+      const int G = static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it)));
+      return {G, G < 128 ? 128 / G : 1, it, false};
     }
-    if (clusters && ceil_div(K, int64_t{256} * V * itmax) <= 8) return {256, 1, itmax, true, true};
-    if (clusters && ceil_div(K, int64_t{kMaxGroup} * V * itmax) <= kMaxCluster) {
-      return {kMaxGroup, 1, itmax, true, true};
+    for (const int G : {256, kMaxGroup}) {
+      if (clusters && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true};
     }
+    return {kMaxGroup, 1, it, false};
   }
   // Long backward rows of the half types (from 32768 elements): a block of
   // 512 threads per row walking it twice in tiles of 64 registers of values
   // (bwd_loop_kernel): measured 12% faster than a cluster holding the row at
   // 32768, and as fast at 262144 (where the rows in flight outgrow L2 and
   // pass 2 re-reads from memory). For float32 the cluster measured faster.
-  if (arrays == 2 && V >= 8 && K >= 32768) return {kMaxGroup, 1, itmax, false, false, true};
+  if (arrays == 2 && V >= 8 && K >= 32768) return {kMaxGroup, 1, itmax, false, true};
   return default_shape(K, V, itmax, itlight, clusters, arrays);
 }
 
-// How many blocks (c == 1) or clusters of c blocks of `block` threads with
-// `smem` bytes of dynamic shared memory can be resident on the current GPU at
-// once; 0 when a cluster launch is impossible: clusters need sm_90 code
-// (they are compiled out below that) and a GPU that can place them. Also
-// sets the kernel's attributes the launch needs. Cached per kernel.
+// Whether clusters of c blocks of `block` threads of `kernel` can run on
+// the current GPU: they need sm_90 code (clusters are compiled out below
+// that) and a GPU that can place them. Asked once per kernel, cluster size,
+// block size and device.
 template <typename Kernel>
-int resident(Kernel kernel, int c, int block, int smem, int min_ptx = 0) {
+bool cluster_launchable(Kernel kernel, int c, int block) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int, int>, int> known;
+  static std::map<std::tuple<const void*, int, int, int>, bool> known;
   const int dev = c10::cuda::current_device();
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, smem, dev * 1000 + min_ptx);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, dev);
   std::lock_guard<std::mutex> lock(mu);
   auto hit = known.find(key);
   if (hit != known.end()) return hit->second;
-  int n = 0;
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const int need_ptx = c > 1 ? std::max(90, min_ptx) : min_ptx;
-  if (attr.ptxVersion < need_ptx || smem + attr.sharedSizeBytes > prop->sharedMemPerBlockOptin) {
-    known.emplace(key, 0);
-    return 0;
-  }
-  if (smem > 48 * 1024) {
-    // The most the kernel may ever ask for (a smaller value set here would
-    // make an earlier, larger plan's launches fail).
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(prop->sharedMemPerBlockOptin - attr.sharedSizeBytes)));
-  }
-  if (c == 1) {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, smem));
-    n = per_sm * prop->multiProcessorCount;
-  } else {
+  int n = 0;
+  if (attr.ptxVersion >= 90) {
     if (c > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(c, 1, 1);
     cfg.blockDim = dim3(block, 1, 1);
-    cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeClusterDimension;
     at[0].val.clusterDim.x = c;
@@ -995,22 +1077,16 @@ int resident(Kernel kernel, int c, int block, int smem, int min_ptx = 0) {
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
     (void)cudaGetLastError();  // a refused query leaves no sticky error behind
   }
-  known.emplace(key, n);
-  return n;
+  known.emplace(key, n > 0);
+  return n > 0;
 }
 
-template <typename Kernel>
-bool cluster_launchable(Kernel kernel, int c, int block) {
-  return resident(kernel, c, block, 0) > 0;
-}
-
-// Launches `kernel` on `grid` with clusters of grid.x blocks when cluster is set.
+// Launches `kernel` on `grid` in clusters of grid.x blocks.
 template <typename Kernel, typename... Args>
-void launch_maybe_cluster(Kernel kernel, dim3 grid, int block, int smem, bool cluster, Args... args) {
+void launch_clusters(Kernel kernel, dim3 grid, int block, Args... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(block, 1, 1);
-  cfg.dynamicSmemBytes = smem;
   cfg.stream = at::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute at[1];
   at[0].id = cudaLaunchAttributeClusterDimension;
@@ -1018,7 +1094,7 @@ void launch_maybe_cluster(Kernel kernel, dim3 grid, int block, int smem, bool cl
   at[0].val.clusterDim.y = 1;
   at[0].val.clusterDim.z = 1;
   cfg.attrs = at;
-  cfg.numAttrs = cluster ? 1 : 0;
+  cfg.numAttrs = 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
@@ -1045,7 +1121,7 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   if (p.kind == Kind::Cluster) {
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
       const int64_t n = std::min<int64_t>(rows - r0, 65535);
-      launch_maybe_cluster(kernel, dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), p.block, 0, true,
+      launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), p.block,
                            args, p.G, 3, r0, r0 + n, p.chunk, static_cast<A*>(nullptr), p.nchunks);
     }
     return;
@@ -1082,28 +1158,6 @@ bool clusters_available() {
   return v == 2;
 }
 
-// Runs the plan with the persistent, pipelined kernel: as many blocks (or
-// clusters) as are resident at once, each looping over rows. False when
-// the GPU or this build cannot (no sm_80 code, too little shared memory,
-// clusters refused): the caller runs the plain kernels instead.
-template <typename T, int V, int IT, sm::Mode MODE>
-bool launch_stream(const Plan& p, const sm::FwdArgs& a) {
-  if (p.kind == Kind::Split || p.block > stream_max_threads<T, V, IT>() ||
-      at::cuda::getCurrentDeviceProperties()->major < 8) {
-    return false;
-  }
-  auto kernel = fwd_stream_kernel<T, V, IT, MODE>;
-  const int smem = IT * p.block * 16;  // a 16-byte slot per vector of each thread
-  const bool cluster = p.kind == Kind::Cluster;
-  const int c = cluster ? p.nchunks : 1;
-  const int n = resident(kernel, c, p.block, smem, 80);
-  if (n <= 0) return false;
-  const int64_t workers = std::min<int64_t>({ceil_div(a.outer, p.block / p.G), int64_t{n}, int64_t{65535}});
-  launch_maybe_cluster(kernel, dim3(static_cast<unsigned>(c), static_cast<unsigned>(workers), 1), p.block, smem,
-                       cluster, a, p.G, a.outer, p.chunk, p.nchunks);
-  return true;
-}
-
 // Register budgets (in 32-bit words of values per thread) of the plans.
 template <typename T, int ARRAYS, sm::Mode MODE>
 struct Budget {
@@ -1111,9 +1165,20 @@ struct Budget {
   // holds at most 32 registers of values.
   static constexpr int kHeavy = MODE == sm::Mode::ScaledMasked ? 32 : 64;
   template <int V>
-  static constexpr int itmax() { return iters_within(V, words_per_elem<T>(ARRAYS), kHeavy); }
+  static constexpr bool packed() { return kPacked<T, V, ARRAYS, MODE>; }
+  // Registers a vector of V values takes: two values per register when
+  // packed, else words_per_elem each.
   template <int V>
-  static constexpr int itlight() { return iters_within(V, words_per_elem<T>(ARRAYS), 32); }
+  static constexpr int words_per_vec() { return packed<V>() ? V / 2 : V * words_per_elem<T>(ARRAYS); }
+  // The most vectors per thread the kernels take.
+  template <int V>
+  static constexpr int itmax() { return iters_within(words_per_vec<V>(), kHeavy); }
+  // Vectors per thread in 64 and 32 registers of widened values, the units
+  // the default plans are written in.
+  template <int V>
+  static constexpr int itplan() { return iters_within(V * words_per_elem<T>(ARRAYS), kHeavy); }
+  template <int V>
+  static constexpr int itlight() { return iters_within(V * words_per_elem<T>(ARRAYS), 32); }
 };
 
 // Checks a requested plan (the `_plan` ops) against what the kernels allow.
@@ -1140,7 +1205,9 @@ Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays) {
     check_request(*req, ITMAX);
     return plan_from(*req, K, V);
   }
-  return plan_from(default_request(K, V, ITMAX, B::template itlight<V>(), clusters_available(), arrays), K, V);
+  return plan_from(default_request(K, V, B::template itplan<V>(), B::template itlight<V>(), clusters_available(), arrays,
+                                   B::template packed<V>()),
+                   K, V);
 }
 
 template <typename T, sm::Mode MODE>
@@ -1165,14 +1232,6 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     const Plan p = resolve_plan<B, V>(req, a.K, 1);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
-      if constexpr (MODE != sm::Mode::ScaledMasked && V > 1) {
-        constexpr int most = stream_max_threads<T, V, IT>();
-        TORCH_CHECK_VALUE(!(p.stream && req != nullptr && p.block > most),
-                          "opforge softmax plan: the persistent kernel with ", opforge::num(IT),
-                          " vectors per thread runs blocks of at most ", opforge::num(most), " threads for ",
-                          c10::toString(c10::CppTypeToScalarType<T>::value), ", got ", opforge::num(p.block));
-        if (p.stream && launch_stream<T, V, IT, MODE>(p, a)) return;
-      }
       run_plan<A>(p, fwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, sizeof(T), 2, x.options());
     });
   };
@@ -1246,25 +1305,25 @@ at::Tensor run_backward(sm::PreparedBwd p, const PlanRequest* req = nullptr) {
 
 // The `_plan` ops: softmax over the last dim with a given launch plan.
 PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster,
-                         bool stream, bool loop = false) {
+                         bool loop = false) {
   auto small = [](int64_t v, const char* name) {
     TORCH_CHECK_VALUE(v >= 1 && v <= 512, "opforge softmax plan: ", name, " must be in [1, 512], got ", opforge::num(v));
     return static_cast<int>(v);
   };
   return {small(threads_per_row, "threads_per_row"), small(rows_per_block, "rows_per_block"),
-          small(vectors_per_thread, "vectors_per_thread"), cluster, stream, loop};
+          small(vectors_per_thread, "vectors_per_thread"), cluster, loop};
 }
 
 at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64_t rows_per_block,
-                             int64_t vectors_per_thread, bool cluster, bool stream) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, stream);
+                             int64_t vectors_per_thread, bool cluster) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
   return run_forward<sm::Mode::Softmax>(
       sm::prepare_softmax("opforge._softmax_plan", sm::Mode::Softmax, x, -1, std::nullopt), &r);
 }
 
 at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
                                       int64_t rows_per_block, int64_t vectors_per_thread, bool cluster, bool loop) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, false, loop);
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, loop);
   return run_backward<sm::Mode::Softmax>(
       sm::prepare_backward("opforge._softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
 }
