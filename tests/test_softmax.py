@@ -575,8 +575,8 @@ def test_cuda_misaligned_vector_fallback():
 # Explicit launch plans (threads per row, rows per block, vectors per thread,
 # cluster): every kind of plan the default heuristic may choose, on row
 # lengths that fill a block exactly, partly, or spill into a last chunk.
-# float16 and bfloat16 run the forward on values held packed, up to 16
-# vectors (128 values) per thread.
+# float16 and bfloat16 hold their values packed: up to 16 vectors (128
+# values) per thread forward, 8 backward.
 PLANS = [
     (64, (32, 4, 1, False)),  # warp per row, several rows per block
     (64, (8, 16, 4, False)),  # a slice of a warp per row
@@ -593,11 +593,11 @@ PLANS = [
 
 def max_vectors(dtype, K, arrays):
     """The kernels' limit: 64 registers of `arrays` opmath values per element (1 forward, 2 backward),
-    or of values as loaded, two per register (the forward of 16-byte vectors of 2-byte types)."""
+    or of values as loaded, two per register (16-byte vectors of 2-byte types)."""
     size = torch.empty((), dtype=dtype).element_size()
     width = 16 // size
     v = width if K % width == 0 else 1  # 16-byte vectors only when rows keep the alignment
-    words_per_vec = v // 2 if size == 2 and v > 1 and arrays == 1 else v * arrays * (2 if size == 8 else 1)
+    words_per_vec = v // 2 * arrays if size == 2 and v > 1 else v * arrays * (2 if size == 8 else 1)
     it = 16
     while it > 1 and it * words_per_vec > 64:
         it //= 2

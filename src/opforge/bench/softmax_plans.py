@@ -37,11 +37,11 @@ def _pow2(lo: int, hi: int) -> list[int]:
 
 
 def max_vectors(dtype: torch.dtype, arrays: int) -> int:
-    """Vectors per thread the kernels allow: 64 registers' worth of opmath values, or of
-    values as loaded (two per register) in the forward of the 2-byte types."""
+    """Vectors per thread the kernels allow: 64 registers' worth of opmath values, or for
+    the 2-byte types of values as loaded (two per register)."""
     size = torch.empty((), dtype=dtype).element_size()
     v = 16 // size
-    words_per_vec = v // 2 if size == 2 and arrays == 1 else v * arrays * (2 if size == 8 else 1)
+    words_per_vec = v // 2 * arrays if size == 2 else v * arrays * (2 if size == 8 else 1)
     it = 16
     while it > 1 and it * words_per_vec > 64:
         it //= 2

@@ -8,11 +8,11 @@
 //  * short rows: a warp, or a power-of-two slice of one, per row,
 //    reductions by shuffles only, several rows per block;
 //  * medium rows: a block per row, the row held in registers, so the input is
-//    read once and the output written once; the forward of float16 and
-//    bfloat16 holds the values as loaded, two per register (kPacked), so a
-//    thread holds 64 values in 32 registers and two 512-thread blocks fit
-//    on an SM; 4- and 8-byte forward rows up to 512 threads x 64 registers
-//    of values stay in one block per row;
+//    read once and the output written once; float16 and bfloat16 rows are
+//    held as loaded, two values per register (kPacked), so a forward thread
+//    holds 64 values in 32 registers and two 512-thread blocks fit on an
+//    SM; 4- and 8-byte forward rows up to 512 threads x 64 registers of
+//    values stay in one block per row;
 //  * rows longer than a block, on Hopper and later: the row is split over a
 //    cluster of up to 16 blocks, each holding its chunk in registers; the
 //    blocks exchange their chunk's (max, sum of exp) through distributed
@@ -72,19 +72,20 @@ using Acc = at::opmath_type<T>;
 // registers per thread, room for 64 values held in registers without spills.
 constexpr int kMaxGroup = 512;
 
-// Whether the forward holds a half type's row as loaded, two values per
+// Whether a row kernel holds a half type's values as loaded, two per
 // register, instead of widened to float (16-byte vectors of float16 or
-// bfloat16; softmax and log_softmax): half the registers for the same row,
-// so twice the row per thread, or twice the resident threads per SM. The
-// price is a second exp per element (softmax recomputes exp(x - max) for
-// its output instead of keeping it).
+// bfloat16; every backward, the forward of softmax and log_softmax):
+// half the registers for the same row, so twice the row per thread, or
+// twice the resident threads per SM. Each value is widened again in every
+// pass that reads it; the forward also computes exp(x - max) twice (for
+// the sum, then for the output) instead of keeping it.
 template <typename T, int V, int ARRAYS, sm::Mode MODE>
-constexpr bool kPacked = sizeof(T) == 2 && V > 1 && ARRAYS == 1 && MODE != sm::Mode::ScaledMasked;
+constexpr bool kPacked = sizeof(T) == 2 && V > 1 && (ARRAYS == 2 || MODE != sm::Mode::ScaledMasked);
 
 // 32-bit registers of values a thread of a row kernel holds.
 template <typename T, int V, int IT, int ARRAYS, sm::Mode MODE = sm::Mode::Softmax>
 constexpr int value_words() {
-  if constexpr (kPacked<T, V, ARRAYS, MODE>) return V * IT / 2;
+  if constexpr (kPacked<T, V, ARRAYS, MODE>) return ARRAYS * V * IT / 2;
   return V * IT * ARRAYS * static_cast<int>(sizeof(at::opmath_type<T>) / 4);
 }
 
@@ -465,7 +466,7 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
   return true;
 }
 
-// Registers of two 2-byte values (the packed forward, kPacked): the first
+// Registers of two 2-byte values (rows held packed, kPacked): the first
 // in memory in the low half. widen2 is asm volatile on purpose: the compiler
 // must re-widen in every pass rather than keep the widened values alive
 // between passes, which would undo the packing.
@@ -584,10 +585,10 @@ __device__ __forceinline__ uint32_t packed_neg_inf() {
   return h | (h << 16);
 }
 
-// The segment's vectors as loaded, V / 2 registers each, -inf past the row
-// (see load_raw).
+// The segment's vectors as loaded, V / 2 registers each, `fill` (two
+// values' bits) past the row (see load_raw).
 template <typename T, int V, int IT>
-__device__ __forceinline__ void load_packed(const T* __restrict__ p, const Segment& s, int G,
+__device__ __forceinline__ void load_packed(const T* __restrict__ p, const Segment& s, int G, uint32_t fill,
                                             uint32_t (&w)[IT * V / 2]) {
   const T* q = p + s.begin;
 #pragma unroll
@@ -598,7 +599,7 @@ __device__ __forceinline__ void load_packed(const T* __restrict__ p, const Segme
       memcpy(&w[it * V / 2], &vec, sizeof(vec));
     } else {
 #pragma unroll
-      for (int k = 0; k < V / 2; ++k) w[it * V / 2 + k] = packed_neg_inf<T>();
+      for (int k = 0; k < V / 2; ++k) w[it * V / 2 + k] = fill;
     }
   }
 }
@@ -633,7 +634,7 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
 
   if constexpr (kPacked<T, V, 1, MODE>) {
     uint32_t w[IT * V / 2];
-    load_packed<T, V, IT>(x, s, G, w);
+    load_packed<T, V, IT>(x, s, G, packed_neg_inf<T>(), w);
     if (finish_forward_packed<T, V, IT, MODE>(w, s, G, phase, row0, partials, nchunks, smem)) {
       store_packed<T, V, IT>(y, s, G, w);
     }
@@ -741,23 +742,54 @@ __device__ __forceinline__ void backward_grad(Acc<T> (&g)[IT][V], const Acc<T> (
     }
 }
 
-template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>())) bwd_rows_kernel(sm::BwdArgs a, int G, int phase, int64_t row0,
-                                                             int64_t rows, int64_t chunk, Acc<T>* partials,
-                                                             int nchunks) {
-  using A = Acc<T>;
-  __shared__ A smem[32];
-  const int64_t K = a.K;
-  const Segment s = make_segment(G, phase, row0, rows, K, chunk);
-  const int64_t off = s.row * K;
+// backward_dot and backward_grad on values held packed (kPacked), N
+// registers of each.
+template <typename T, int N, sm::Mode MODE>
+__device__ __forceinline__ float backward_dot_packed(const uint32_t (&g)[N], const uint32_t (&o)[N]) {
+  float sum = 0;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    float g0, g1, o0, o1;
+    widen2<T>(g[k], g0, g1);
+    if constexpr (MODE == sm::Mode::LogSoftmax) {
+      sum += g0;
+      sum += g1;
+    } else {
+      widen2<T>(o[k], o0, o1);
+      sum += g0 * o0;
+      sum += g1 * o1;
+    }
+  }
+  return sum;
+}
 
-  A g[IT][V], o[IT][V];
-  load_grad_out<T, V, IT>(static_cast<const T*>(a.grad) + off, static_cast<const T*>(a.out) + off, s, G, g, o);
-  A sum = group_reduce(backward_dot<T, V, IT, MODE>(g, o), G, SumOp{}, smem);
+template <typename T, int N, sm::Mode MODE>
+__device__ __forceinline__ void backward_grad_packed(uint32_t (&g)[N], const uint32_t (&o)[N], float sum,
+                                                     double scale_arg) {
+  const float scale = MODE == sm::Mode::ScaledMasked ? static_cast<float>(scale_arg) : 1.0f;
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    float g0, g1, o0, o1;
+    widen2<T>(g[k], g0, g1);
+    widen2<T>(o[k], o0, o1);
+    if constexpr (MODE == sm::Mode::LogSoftmax) {
+      g[k] = narrow2<T>(g0 - elem_exp(o0) * sum, g1 - elem_exp(o1) * sum);
+    } else {
+      g[k] = narrow2<T>(o0 * (g0 - sum) * scale, o1 * (g1 - sum) * scale);
+    }
+  }
+}
 
+// A segment's part of the row's backward sum -> the row's: phase 1 writes
+// it to the partials and returns false (nothing to store), phase 2 sums
+// the row's partials, phase 3 the cluster's blocks. Every thread of the
+// block must call it.
+template <typename A>
+__device__ __forceinline__ bool backward_row_sum(A& sum, const Segment& s, int G, int phase, int64_t row0,
+                                                 A* partials, int nchunks, A* smem) {
   if (phase == 1) {
     if (s.lane == 0 && s.valid) partials[(s.row - row0) * nchunks + blockIdx.x] = sum;
-    return;
+    return false;
   }
   if (phase == 2) {
     const A* p = partials + (s.row - row0) * nchunks;
@@ -767,9 +799,39 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>
   } else if (phase == 3) {
     sum = cluster_sum(sum);
   }
+  return true;
+}
 
-  backward_grad<T, V, IT, MODE>(g, o, sum, a.scale);
-  store_row<T, V, IT>(static_cast<T*>(a.grad_in) + off, s, G, g);
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>())) bwd_rows_kernel(sm::BwdArgs a, int G, int phase, int64_t row0,
+                                                             int64_t rows, int64_t chunk, Acc<T>* partials,
+                                                             int nchunks) {
+  using A = Acc<T>;
+  __shared__ A smem[32];
+  const int64_t K = a.K;
+  const Segment s = make_segment(G, phase, row0, rows, K, chunk);
+  const int64_t off = s.row * K;
+  const T* gp = static_cast<const T*>(a.grad) + off;
+  const T* op = static_cast<const T*>(a.out) + off;
+  T* xp = static_cast<T*>(a.grad_in) + off;
+
+  if constexpr (kPacked<T, V, 2, MODE>) {
+    constexpr int N = IT * V / 2;
+    uint32_t g[N], o[N];
+    load_packed<T, V, IT>(gp, s, G, 0u, g);
+    load_packed<T, V, IT>(op, s, G, 0u, o);
+    A sum = group_reduce(backward_dot_packed<T, N, MODE>(g, o), G, SumOp{}, smem);
+    if (!backward_row_sum(sum, s, G, phase, row0, partials, nchunks, smem)) return;
+    backward_grad_packed<T, N, MODE>(g, o, sum, a.scale);
+    store_packed<T, V, IT>(xp, s, G, g);
+  } else {
+    A g[IT][V], o[IT][V];
+    load_grad_out<T, V, IT>(gp, op, s, G, g, o);
+    A sum = group_reduce(backward_dot<T, V, IT, MODE>(g, o), G, SumOp{}, smem);
+    if (!backward_row_sum(sum, s, G, phase, row0, partials, nchunks, smem)) return;
+    backward_grad<T, V, IT, MODE>(g, o, sum, a.scale);
+    store_row<T, V, IT>(xp, s, G, g);
+  }
 }
 
 // Backward of long rows in one launch without holding the row: a block per
@@ -795,22 +857,38 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>
   s.valid = true;
   s.lane = threadIdx.x;
 
+  constexpr int N = IT * V / 2;  // registers per array when packed
   A sum = 0;
   for (int64_t t = 0; t < K; t += tile) {
     s.begin = t;
     s.len = static_cast<int>(min(K - t, static_cast<int64_t>(tile)));
-    A g[IT][V], o[IT][V];
-    load_grad_out<T, V, IT>(gp, op, s, G, g, o);
-    sum += backward_dot<T, V, IT, MODE>(g, o);
+    if constexpr (kPacked<T, V, 2, MODE>) {
+      uint32_t g[N], o[N];
+      load_packed<T, V, IT>(gp, s, G, 0u, g);
+      load_packed<T, V, IT>(op, s, G, 0u, o);
+      sum += backward_dot_packed<T, N, MODE>(g, o);
+    } else {
+      A g[IT][V], o[IT][V];
+      load_grad_out<T, V, IT>(gp, op, s, G, g, o);
+      sum += backward_dot<T, V, IT, MODE>(g, o);
+    }
   }
   sum = group_reduce(sum, G, SumOp{}, smem);
   for (int64_t t = 0; t < K; t += tile) {
     s.begin = t;
     s.len = static_cast<int>(min(K - t, static_cast<int64_t>(tile)));
-    A g[IT][V], o[IT][V];
-    load_grad_out<T, V, IT>(gp, op, s, G, g, o);
-    backward_grad<T, V, IT, MODE>(g, o, sum, a.scale);
-    store_row<T, V, IT>(xp, s, G, g);
+    if constexpr (kPacked<T, V, 2, MODE>) {
+      uint32_t g[N], o[N];
+      load_packed<T, V, IT>(gp, s, G, 0u, g);
+      load_packed<T, V, IT>(op, s, G, 0u, o);
+      backward_grad_packed<T, N, MODE>(g, o, sum, a.scale);
+      store_packed<T, V, IT>(xp, s, G, g);
+    } else {
+      A g[IT][V], o[IT][V];
+      load_grad_out<T, V, IT>(gp, op, s, G, g, o);
+      backward_grad<T, V, IT, MODE>(g, o, sum, a.scale);
+      store_row<T, V, IT>(xp, s, G, g);
+    }
   }
 }
 
@@ -1169,7 +1247,7 @@ struct Budget {
   // Registers a vector of V values takes: two values per register when
   // packed, else words_per_elem each.
   template <int V>
-  static constexpr int words_per_vec() { return packed<V>() ? V / 2 : V * words_per_elem<T>(ARRAYS); }
+  static constexpr int words_per_vec() { return packed<V>() ? ARRAYS * V / 2 : V * words_per_elem<T>(ARRAYS); }
   // The most vectors per thread the kernels take.
   template <int V>
   static constexpr int itmax() { return iters_within(words_per_vec<V>(), kHeavy); }
