@@ -622,25 +622,6 @@ def test_cuda_explicit_plans(dtype, K, plan):
     assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
 
 
-# Backward plans whose block walks each row twice in tiles of
-# threads x vectors x vector width: several tiles with a partial last one,
-# scalar loads (odd K), a row shorter than one tile.
-LOOP_PLANS = [(40000, (512, 2)), (70001, (256, 4)), (5000, (128, 1)), (100, (128, 1))]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("K,plan", LOOP_PLANS)
-def test_cuda_backward_loop_plans(dtype, K, plan):
-    M = 2_000_000 // K + 3
-    y = opforge.softmax(rand((M, K), dtype, "cuda", scale=3.0))
-    g = rand((M, K), dtype, "cuda")
-    threads, vectors = plan
-    with poisoned("cuda"):
-        gx = torch.ops.opforge._softmax_backward_plan(g, y, threads, 1, min(vectors, max_vectors(dtype, K, 2)), False, True)
-    assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
-
-
 @pytest.mark.cuda
 def test_cuda_explicit_plan_errors():
     x = torch.randn(4, 1024, device="cuda")
@@ -652,7 +633,5 @@ def test_cuda_explicit_plan_errors():
         torch.ops.opforge._softmax_plan(x, 32, 1, 32, False)
     with pytest.raises(ValueError, match="a plan that splits rows needs one row per block"):
         torch.ops.opforge._softmax_plan(x, 32, 4, 1, False)
-    with pytest.raises(ValueError, match="a looping plan needs one row per block"):
-        torch.ops.opforge._softmax_backward_plan(x, x, 32, 4, 1, False, True)
     with pytest.raises(ValueError, match="threads_per_row must be in \\[1, 512\\], got 0"):
         torch.ops.opforge._softmax_plan(x, 0, 1, 1, False)

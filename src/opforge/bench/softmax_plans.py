@@ -49,11 +49,7 @@ def max_vectors(dtype: torch.dtype, arrays: int) -> int:
 
 
 def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
-    """(threads_per_row, rows_per_block, vectors_per_thread, cluster[, loop]) plans worth timing for rows of k.
-
-    Backward rows longer than a block holds also get looping plans (a block
-    per row walking it twice in tiles).
-    """
+    """(threads_per_row, rows_per_block, vectors_per_thread, cluster) plans worth timing for rows of k."""
     v = 16 // torch.empty((), dtype=dtype).element_size()
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
@@ -65,11 +61,7 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
                 for rpb in _pow2(1, 512 // tpr):
                     if tpr * rpb in (128, 256, 512) or (rpb == 1 and tpr * rpb > 512 // 2):
                         out.append((tpr, rpb, it, False))
-            elif tpr >= 128:
-                if arrays == 2:
-                    out.append((tpr, 1, it, False, True))  # a block per row walking it twice
-                if tpr < 256:
-                    continue
+            elif tpr >= 256:
                 if math.ceil(k / cap) <= 16:
                     out.append((tpr, 1, it, True))
                 if math.ceil(k / cap) <= 64:
@@ -135,7 +127,7 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
     for name, fn in providers.items():
         record(name, fn)
     for plan in candidates(k, dtype, arrays):
-        kind = ("cluster" if plan[3] else "-") + ("/loop" if len(plan) > 4 and plan[4] else "")
+        kind = "cluster" if plan[3] else "-"
         record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, plan=plan: plan_op(*a, *plan))
     return rows
 

@@ -17,8 +17,6 @@
 //    cluster of up to 16 blocks, each holding its chunk in registers; the
 //    blocks exchange their chunk's (max, sum of exp) through distributed
 //    shared memory, so the input is still read once, in one launch;
-//  * long backward rows of the half types: a block per row walks the row
-//    twice in tiles (bwd_loop_kernel), pass 2 re-reading from L2;
 //  * longer rows still, or GPUs without clusters, with no cap: each row is
 //    split into chunks of a block's capacity; pass 1 writes each chunk's
 //    (max, sum of exp) to a small workspace, pass 2 combines a row's
@@ -834,64 +832,6 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>
   }
 }
 
-// Backward of long rows in one launch without holding the row: a block per
-// row walks it twice in tiles of blockDim.x x V x IT elements, pass 1
-// summing dy * y, pass 2 re-reading dy and y (from L2: the block read them
-// moments before) to write dx. A tile's loads are all issued before any is
-// used, and a thread holds few values, so several blocks share an SM and
-// one row's loads overlap another's reduction.
-template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>()))
-    bwd_loop_kernel(sm::BwdArgs a, int64_t row0) {
-  using A = Acc<T>;
-  __shared__ A smem[32];
-  const int64_t K = a.K;
-  const int64_t off = (row0 + blockIdx.x) * K;
-  const T* gp = static_cast<const T*>(a.grad) + off;
-  const T* op = static_cast<const T*>(a.out) + off;
-  T* xp = static_cast<T*>(a.grad_in) + off;
-  const int G = blockDim.x;
-  const int tile = G * V * IT;
-  Segment s;
-  s.row = row0 + blockIdx.x;
-  s.valid = true;
-  s.lane = threadIdx.x;
-
-  constexpr int N = IT * V / 2;  // registers per array when packed
-  A sum = 0;
-  for (int64_t t = 0; t < K; t += tile) {
-    s.begin = t;
-    s.len = static_cast<int>(min(K - t, static_cast<int64_t>(tile)));
-    if constexpr (kPacked<T, V, 2, MODE>) {
-      uint32_t g[N], o[N];
-      load_packed<T, V, IT>(gp, s, G, 0u, g);
-      load_packed<T, V, IT>(op, s, G, 0u, o);
-      sum += backward_dot_packed<T, N, MODE>(g, o);
-    } else {
-      A g[IT][V], o[IT][V];
-      load_grad_out<T, V, IT>(gp, op, s, G, g, o);
-      sum += backward_dot<T, V, IT, MODE>(g, o);
-    }
-  }
-  sum = group_reduce(sum, G, SumOp{}, smem);
-  for (int64_t t = 0; t < K; t += tile) {
-    s.begin = t;
-    s.len = static_cast<int>(min(K - t, static_cast<int64_t>(tile)));
-    if constexpr (kPacked<T, V, 2, MODE>) {
-      uint32_t g[N], o[N];
-      load_packed<T, V, IT>(gp, s, G, 0u, g);
-      load_packed<T, V, IT>(op, s, G, 0u, o);
-      backward_grad_packed<T, N, MODE>(g, o, sum, a.scale);
-      store_packed<T, V, IT>(xp, s, G, g);
-    } else {
-      A g[IT][V], o[IT][V];
-      load_grad_out<T, V, IT>(gp, op, s, G, g, o);
-      backward_grad<T, V, IT, MODE>(g, o, sum, a.scale);
-      store_row<T, V, IT>(xp, s, G, g);
-    }
-  }
-}
-
 // ------------------------------------------------------------------ outer dims (inner > 1)
 
 template <typename T, sm::Mode MODE>
@@ -990,7 +930,7 @@ void with_iters(int it, F&& f) {
 // H200 allow; where the GPU refuses, the split path runs instead).
 constexpr int kMaxCluster = 16;
 
-enum class Kind { Rows, Cluster, Split, Loop };
+enum class Kind { Rows, Cluster, Split };
 
 // The knobs of a launch: threads per row (or per chunk of a row), rows per
 // block, vectors per thread, and whether a row longer than one block may
@@ -1000,7 +940,6 @@ struct PlanRequest {
   int rows_per_block;
   int it;
   bool cluster;
-  bool loop = false;    // backward only: a block per row walks it twice (bwd_loop_kernel)
 };
 
 struct Plan {
@@ -1008,7 +947,7 @@ struct Plan {
   int G;              // threads per row (Rows) or per chunk (Cluster, Split)
   int block;          // threads per block
   Kind kind = Kind::Rows;
-  int64_t chunk = 0;  // elements per block (Cluster, Split), per tile (Loop)
+  int64_t chunk = 0;  // elements per block (Cluster, Split)
   int nchunks = 1;
 };
 
@@ -1018,12 +957,6 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   p.G = r.threads_per_row;
   p.block = r.threads_per_row * r.rows_per_block;
   const int64_t capacity = int64_t{p.G} * V * p.it;
-  if (r.loop) {
-    TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a looping plan needs one row per block");
-    p.kind = Kind::Loop;
-    p.chunk = capacity;  // elements per tile
-    return p;
-  }
   if (K <= capacity) return p;
   TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a plan that splits rows needs one row per block");
   p.chunk = capacity;
@@ -1049,8 +982,8 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //    values (backward);
 //  * otherwise one block of up to itmax vectors per thread, else the
 //    two-pass split.
-// The forward of the half types held packed and long backward rows of the
-// half types have their own rules: see default_request.
+// Rows of the half types held packed (kPacked) past the short rows have
+// their own rule: see default_request.
 // itmax / itlight: vectors per thread in 64 / 32 registers of values.
 PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
   const int e_short = 16, e_long = 32;
@@ -1095,32 +1028,30 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
   return {kMaxGroup, 1, itlight, false};
 }
 
-// packed: the forward holds the row as loaded (kPacked).
+// packed: the row is held as loaded (kPacked: the half types).
 PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool packed) {
-  // Forward rows of the half types held packed, past the short rows
-  // (512 elements): threads of E = 32 values up to 2048 elements, E = 64
-  // beyond (32 registers of packed values); one block per row while 512
-  // threads hold it, else a cluster of up to 16 blocks of 256 threads (512
-  // beyond), else the split. Measured best on an H200 (bfloat16): a block
-  // of 128 threads x 64 values on 8192 x 8192, 512 x 64 on 4096 x 32768, a
-  // cluster of 16 x 256 x 64 on 512 x 262144, 32 x 32 on 8192 x 1024.
+  // Rows of the half types held packed, past the short rows (512
+  // elements): threads of E = 32 values (of each array) up to 2048
+  // elements, E = 64 beyond; one block per row while 512 threads hold it,
+  // else a cluster of up to 16 blocks (of 256 threads first forward, of
+  // 512 backward), else the split. Measured best on an H200 (bfloat16):
+  // forward a block of 128 threads x 64 values on 8192 x 8192 (90% of the
+  // floor), 512 x 64 on 4096 x 32768 (84%), a cluster of 16 x 256 x 64 on
+  // 512 x 262144 (62%; 8 x 512 x 64: 60%), 32 x 32 on 8192 x 1024; backward
+  // 512 x 64 on 4096 x 32768 (99%), a cluster of 8 x 512 x 64 on 512 x
+  // 262144 (81%; 16 x 256 x 64: 74%), within 2% of the best elsewhere.
   if (packed && K > 512) {
     const int it = (K <= 2048 ? 32 : 64) / V;
     if (K <= int64_t{kMaxGroup} * V * it) {
       const int G = static_cast<int>(next_pow2(ceil_div(K, int64_t{V} * it)));
       return {G, G < 128 ? 128 / G : 1, it, false};
     }
-    for (const int G : {256, kMaxGroup}) {
+    const int order[2] = {arrays == 1 ? 256 : kMaxGroup, arrays == 1 ? kMaxGroup : 256};
+    for (const int G : order) {
       if (clusters && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true};
     }
     return {kMaxGroup, 1, it, false};
   }
-  // Long backward rows of the half types (from 32768 elements): a block of
-  // 512 threads per row walking it twice in tiles of 64 registers of values
-  // (bwd_loop_kernel): measured 12% faster than a cluster holding the row at
-  // 32768, and as fast at 262144 (where the rows in flight outgrow L2 and
-  // pass 2 re-reads from memory). For float32 the cluster measured faster.
-  if (arrays == 2 && V >= 8 && K >= 32768) return {kMaxGroup, 1, itmax, false, true};
   return default_shape(K, V, itmax, itlight, clusters, arrays);
 }
 
@@ -1343,14 +1274,6 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t, const PlanReq
     const Plan p = resolve_plan<B, V>(req, a.K, 2);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
-      if (p.kind == Kind::Loop) {
-        for (int64_t r0 = 0; r0 < a.outer; r0 += int64_t{1} << 30) {
-          const auto n = static_cast<unsigned>(std::min(a.outer - r0, int64_t{1} << 30));
-          bwd_loop_kernel<T, V, IT, MODE><<<n, p.block, 0, stream>>>(a, r0);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-        return;
-      }
       run_plan<A>(p, bwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, 2 * sizeof(T), 1, t.options());
     });
   };
@@ -1382,14 +1305,13 @@ at::Tensor run_backward(sm::PreparedBwd p, const PlanRequest* req = nullptr) {
 }
 
 // The `_plan` ops: softmax over the last dim with a given launch plan.
-PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster,
-                         bool loop = false) {
+PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
   auto small = [](int64_t v, const char* name) {
     TORCH_CHECK_VALUE(v >= 1 && v <= 512, "opforge softmax plan: ", name, " must be in [1, 512], got ", opforge::num(v));
     return static_cast<int>(v);
   };
   return {small(threads_per_row, "threads_per_row"), small(rows_per_block, "rows_per_block"),
-          small(vectors_per_thread, "vectors_per_thread"), cluster, loop};
+          small(vectors_per_thread, "vectors_per_thread"), cluster};
 }
 
 at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64_t rows_per_block,
@@ -1400,8 +1322,8 @@ at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64
 }
 
 at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
-                                      int64_t rows_per_block, int64_t vectors_per_thread, bool cluster, bool loop) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, loop);
+                                      int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
   return run_backward<sm::Mode::Softmax>(
       sm::prepare_backward("opforge._softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
 }
