@@ -332,22 +332,28 @@ __device__ __forceinline__ void load_row(const T* __restrict__ p, const Segment&
   }
 }
 
-template <typename T, int V, int IT>
-__device__ __forceinline__ void store_row(T* __restrict__ p, const Segment& s, int G, const Acc<T> (&vals)[IT][V]) {
+// Stores the segment's vectors that lie in the row (a vector is wholly in
+// or out, see load_raw); vec_at(it) makes the thread's vector it.
+template <typename T, int V, int IT, typename F>
+__device__ __forceinline__ void store_segment(T* __restrict__ p, const Segment& s, int G, F vec_at) {
   if (!s.valid) return;
   T* q = p + s.begin;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
     const int off = s.offset(it, G, V);
-    if (off < s.len) {
-      AlignedVec<T, V> vec;
-#pragma unroll
-      for (int v = 0; v < V; ++v) vec.val[v] = static_cast<T>(vals[it][v]);
-      opforge::cuda::store_vec<T, V>(q, off / V, vec);
-    }
+    if (off < s.len) opforge::cuda::store_vec<T, V>(q, off / V, vec_at(it));
   }
 }
 
+template <typename T, int V, int IT>
+__device__ __forceinline__ void store_row(T* __restrict__ p, const Segment& s, int G, const Acc<T> (&vals)[IT][V]) {
+  store_segment<T, V, IT>(p, s, G, [&](int it) {
+    AlignedVec<T, V> vec;
+#pragma unroll
+    for (int v = 0; v < V; ++v) vec.val[v] = static_cast<T>(vals[it][v]);
+    return vec;
+  });
+}
 // ------------------------------------------------------------------ forward, inner-most dim
 
 // A segment's (max, sum of exp) -> the row's: phase 2 combines the row's
@@ -602,21 +608,15 @@ __device__ __forceinline__ void load_packed(const T* __restrict__ p, const Segme
   }
 }
 
-// Stores the segment's vectors that lie in the row from packed registers.
+// store_row from packed registers.
 template <typename T, int V, int IT>
 __device__ __forceinline__ void store_packed(T* __restrict__ p, const Segment& s, int G,
                                              const uint32_t (&w)[IT * V / 2]) {
-  if (!s.valid) return;
-  T* q = p + s.begin;
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    const int off = s.offset(it, G, V);
-    if (off < s.len) {
-      AlignedVec<T, V> vec;
-      memcpy(&vec, &w[it * V / 2], sizeof(vec));
-      opforge::cuda::store_vec<T, V>(q, off / V, vec);
-    }
-  }
+  store_segment<T, V, IT>(p, s, G, [&](int it) {
+    AlignedVec<T, V> vec;
+    memcpy(&vec, &w[it * V / 2], sizeof(vec));
+    return vec;
+  });
 }
 
 template <typename T, int V, int IT, sm::Mode MODE>
