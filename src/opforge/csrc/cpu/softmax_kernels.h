@@ -15,6 +15,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/irange.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -172,6 +173,17 @@ inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
   return vexp(v);
 }
 
+// exp for values in [-inf, 0] that end up rounded to T (rows with a finite
+// max): exp_nonpos where it is the fast one (AVX-512), else vexp_for.
+template <typename T>
+inline Vectorized<float> exp_nonpos_for(const Vectorized<float>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return exp_nonpos(v);
+#else
+  return vexp_for<T>(v);
+#endif
+}
+
 // sum(exp(src - m)), also storing dst[i] = exp(src[i] - m) when kStore
 // (dst may alias src); m is the max of src (NaN if src has one). Summed in
 // blocks of 1024 values (two accumulators each), then the block sums: long
@@ -304,32 +316,46 @@ inline Acc<T> in_max(const T* x, int64_t n) {
   }
 }
 
+// Half types: buf = exp(x - m) in float; returns the sum. A finite m
+// means x holds no NaN and no +inf: exp_nonpos_for.
+template <typename T, bool kFinite>
+inline float in_exp_sum_pass(const T* x, float* buf, int64_t n, float m) {
+  using IO = VecIO<T>;
+  using V = Vectorized<float>;
+  constexpr int64_t W = IO::kWidth;
+  auto ex = [](const V& v) {
+    if constexpr (kFinite) {
+      return exp_nonpos_for<T>(v);
+    } else {
+      return vexp_for<T>(v);
+    }
+  };
+  const V vm(m);
+  V acc0(0), acc1(0);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const auto p = IO::load(x + i);
+    const V e0 = ex(p.v[0] - vm);
+    const V e1 = ex(p.v[1] - vm);
+    e0.store(buf + i);
+    e1.store(buf + i + V::size());
+    acc0 = acc0 + e0;
+    acc1 = acc1 + e1;
+  }
+  acc0 = acc0 + acc1;
+  float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc0);
+  if (i < n) {
+    for (int64_t j = i; j < n; ++j) buf[j] = static_cast<float>(x[j]);
+    s += exp_and_sum(buf + i, buf + i, n - i, m);
+  }
+  return s;
+}
+
 // buf = exp(x - m) in opmath; returns the sum.
 template <typename T>
 inline Acc<T> in_exp_sum(const T* x, Acc<T>* buf, int64_t n, Acc<T> m) {
   if constexpr (kNeedsConvert<T>) {
-    using IO = VecIO<T>;
-    using V = Vectorized<float>;
-    constexpr int64_t W = IO::kWidth;
-    const V vm(m);
-    V acc0(0), acc1(0);
-    int64_t i = 0;
-    for (; i + W <= n; i += W) {
-      const auto p = IO::load(x + i);
-      const V e0 = vexp_for<T>(p.v[0] - vm);
-      const V e1 = vexp_for<T>(p.v[1] - vm);
-      e0.store(buf + i);
-      e1.store(buf + i + V::size());
-      acc0 = acc0 + e0;
-      acc1 = acc1 + e1;
-    }
-    acc0 = acc0 + acc1;
-    float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc0);
-    if (i < n) {
-      for (int64_t j = i; j < n; ++j) buf[j] = static_cast<float>(x[j]);
-      s += exp_and_sum(buf + i, buf + i, n - i, m);
-    }
-    return s;
+    return std::isfinite(m) ? in_exp_sum_pass<T, true>(x, buf, n, m) : in_exp_sum_pass<T, false>(x, buf, n, m);
   } else {
     return exp_and_sum(x, buf, n, m);
   }
@@ -375,20 +401,32 @@ inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
   } else {
     dst = y;
   }
-  for (i = 0; i < body; i += W) {
-    for (int r = 0; r < kRows; ++r) {
-      const auto p = IO::load(x + r * K + i);
-      for (int k = 0; k < P; ++k) {
-        V e;
-        if constexpr (kNeedsConvert<T>) {
-          e = vexp_for<T>(p.v[k] - mx[r]);
-        } else {
-          e = vexp(p.v[k] - mx[r]);
+  // Every max finite: no NaN or +inf in the rows, exp_nonpos_for.
+  auto exp_rows = [&](auto finite) {
+    for (i = 0; i < body; i += W) {
+      for (int r = 0; r < kRows; ++r) {
+        const auto p = IO::load(x + r * K + i);
+        for (int k = 0; k < P; ++k) {
+          V e;
+          if constexpr (decltype(finite)::value && kNeedsConvert<T>) {
+            e = exp_nonpos_for<T>(p.v[k] - mx[r]);
+          } else if constexpr (decltype(finite)::value) {
+            e = exp_nonpos(p.v[k] - mx[r]);
+          } else if constexpr (kNeedsConvert<T>) {
+            e = vexp_for<T>(p.v[k] - mx[r]);
+          } else {
+            e = vexp(p.v[k] - mx[r]);
+          }
+          e.store(dst + r * K + i + k * V::size());
+          acc[r] = acc[r] + e;
         }
-        e.store(dst + r * K + i + k * V::size());
-        acc[r] = acc[r] + e;
       }
     }
+  };
+  if (std::all_of(m, m + kRows, [](A v) { return std::isfinite(v); })) {
+    exp_rows(std::true_type{});
+  } else {
+    exp_rows(std::false_type{});
   }
   for (int r = 0; r < kRows; ++r) {
     s[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc[r]);
