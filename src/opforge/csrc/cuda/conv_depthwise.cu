@@ -315,6 +315,60 @@ __device__ __forceinline__ float relu_nan(float v) {
 #endif
 }
 
+// Four consecutive staged values (8-byte aligned) as float. bfloat16
+// widens by bit operations on the two 32-bit words: the high value is its
+// word with the low half cleared, one instruction where the element-wise
+// conversion took two (a byte permute, then a shift).
+template <typename scalar_t>
+__device__ __forceinline__ void widen4(const scalar_t* p, float (&r)[4]) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    r[0] = __uint_as_float(w.x << 16);
+    r[1] = __uint_as_float(w.x & 0xffff0000u);
+    r[2] = __uint_as_float(w.y << 16);
+    r[3] = __uint_as_float(w.y & 0xffff0000u);
+  } else {
+    const auto v = *reinterpret_cast<const AlignedVec<scalar_t, 4>*>(p);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) r[e] = static_cast<float>(v.val[e]);
+  }
+}
+
+// Four results rounded to scalar_t, after relu_nan when relu. From sm_80 on
+// the half types round two values per instruction (cvt ...x2, its .relu
+// form keeping NaN as relu_nan does) instead of one value per conversion
+// plus byte permutes to pair them.
+template <typename scalar_t>
+__device__ __forceinline__ AlignedVec<scalar_t, 4> narrow4(const float (&v)[4], bool relu) {
+  AlignedVec<scalar_t, 4> out;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(scalar_t) == 2) {
+    uint32_t w[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (relu) {
+          asm("cvt.rn.relu.bf16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+        } else {
+          asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+        }
+      } else {
+        if (relu) {
+          asm("cvt.rn.relu.f16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+        } else {
+          asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+        }
+      }
+    }
+    memcpy(&out, w, sizeof(out));
+    return out;
+  }
+#endif
+#pragma unroll
+  for (int e = 0; e < 4; ++e) out.val[e] = static_cast<scalar_t>(relu ? relu_nan(v[e]) : v[e]);
+  return out;
+}
+
 // NCHW, stride 1. A tile is `np` consecutive (image, channel) planes, or one
 // band of output rows of one plane, staged in shared memory in the input
 // dtype: staged row rr holds input row oh0 - PAD + rr at columns [E, E + W)
@@ -610,11 +664,7 @@ __device__ __forceinline__ void dw_s1_nhwc_compute(const scalar_t* tile, const s
     const int rstep = spitch * a.CB;
     auto load_row = [&](const scalar_t* sp, float (&r)[3][V]) {
 #pragma unroll
-      for (int kw = 0; kw < 3; ++kw) {
-        const auto v = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(sp + kw * a.CB);
-#pragma unroll
-        for (int e = 0; e < V; ++e) r[kw][e] = static_cast<float>(v.val[e]);
-      }
+      for (int kw = 0; kw < 3; ++kw) widen4(sp + kw * a.CB, r[kw]);
     };
     // Rolling accumulators: staged row ri completes output row ri - 2 (kernel
     // row 2), continues ri - 1 (row 1) and starts ri (row 0), so only one
@@ -638,14 +688,12 @@ __device__ __forceinline__ void dw_s1_nhwc_compute(const scalar_t* tile, const s
     s += 2 * rstep;
     scalar_t* o = out + ((tt.n * a.Ho + tt.oh0) * a.Wo + tt.ow0 + q) * static_cast<int64_t>(a.C) + c0;
     const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
+#pragma unroll 2
     for (int r = 0; r < tt.bh; ++r) {
       load_row(s, xr);
       s += rstep;
       fma_row(xr, 2, accP);
-      AlignedVec<scalar_t, V> res;
-#pragma unroll
-      for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_nan(accP[e]) : accP[e]);
-      *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = res;
+      *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, a.relu);
       o += ostep;
 #pragma unroll
       for (int e = 0; e < V; ++e) accP[e] = accQ[e];
