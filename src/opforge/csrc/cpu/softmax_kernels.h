@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -446,13 +447,47 @@ inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
   }
 }
 
+// dst = src * mul with streaming (non-temporal) stores where the ISA has
+// them: the output skips the caches, so writing it costs one pass over
+// memory instead of two (a normal store first reads the line it fills).
+// Callers issue a store fence (stream_fence) before the data is used.
+template <typename A>
+inline void scale_stream(const A* src, A* dst, int64_t n, A mul) {
+  using V = Vectorized<A>;
+  const V vm(mul);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) {
+    // Regular stores up to the first 64-byte boundary, then whole aligned vectors.
+    const int64_t head = std::min<int64_t>(n, ((64 - reinterpret_cast<std::uintptr_t>(dst) % 64) % 64) / sizeof(A));
+    if (reinterpret_cast<std::uintptr_t>(dst) % sizeof(A) == 0) {
+      for (; i < head; ++i) dst[i] = src[i] * mul;
+      for (; i + V::size() <= n; i += V::size()) {
+#if defined(CPU_CAPABILITY_AVX512)
+        _mm512_stream_ps(dst + i, V::loadu(src + i) * vm);
+#else
+        _mm256_stream_ps(dst + i, V::loadu(src + i) * vm);
+#endif
+      }
+    }
+  }
+#endif
+  at::vec::map([vm](V v) { return v * vm; }, dst + i, src + i, n - i);
+}
+
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
 // Rows [r0, r1) of softmax / scaled_masked_softmax. float: exp(x - max) is
 // written to y and scaled in place while the row is in cache. Half types and
 // masked rows: buf (K opmath values, cache-line aligned) holds exp(x - max),
 // then y is written from it in one pass. Short half-type rows go kRows at a
 // time (softmax_short_rows; buf then holds kRows * K values).
 template <typename T>
-void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
+void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf, bool stream) {
   using A = Acc<T>;
   using V = Vectorized<A>;
   const int64_t K = a.K;
@@ -506,12 +541,19 @@ void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf) {
         const A s = in_exp_sum(x, buf, K, m);
         scale_out<T>(buf, y, K, A(1) / s);
       } else {
-        // float: row r + 1's max is taken in row r's exp pass.
+        // float: row r + 1's max is taken in row r's exp pass. With
+        // stream (buf set), exp goes to buf and y is written once, by
+        // streaming stores.
         const A m = next_max_ready ? next_max : in_max(x, K);
         next_max_ready = r + 1 < r1;
-        const A s = next_max_ready ? exp_and_sum_next_max(x, y, K, m, x + K, &next_max) : exp_and_sum(x, y, K, m);
-        const V inv(A(1) / s);
-        at::vec::map([inv](V v) { return v * inv; }, y, y, K);
+        A* e = stream ? buf : y;
+        const A s = next_max_ready ? exp_and_sum_next_max(x, e, K, m, x + K, &next_max) : exp_and_sum(x, e, K, m);
+        if (stream) {
+          scale_stream(buf, y, K, A(1) / s);
+        } else {
+          const V inv(A(1) / s);
+          at::vec::map([inv](V v) { return v * inv; }, y, y, K);
+        }
       }
     }
   }
@@ -544,6 +586,40 @@ void fwd_rows_log(const sm::FwdArgs& a) {
   });
 }
 
+// The last-level cache one core sees (Linux sysfs; 32 MiB where unknown).
+inline int64_t last_level_cache_bytes() {
+  static const int64_t bytes = [] {
+    int64_t v = 0;
+    if (FILE* f = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+      long kib = 0;
+      if (std::fscanf(f, "%ldK", &kib) == 1) v = int64_t{kib} << 10;
+      std::fclose(f);
+    }
+    return v > 0 ? v : int64_t{32} << 20;
+  }();
+  return bytes;
+}
+
+// Whether the float softmax forward writes its output with streaming
+// stores (exps to a scratch row, then one streaming pass to y): when input
+// and output together outgrow the last-level cache, so the output would
+// not stay there for the next op anyway, and rows are at most 2048 long.
+// Measured on 2 cores (AVX-512, 32 MiB of input): rows of 128 to 2048
+// 15-40% faster than writing y twice in cache (exp, then the scaling);
+// rows of 4096 and 8192 17-20% slower (the streaming pass over a long row
+// no longer overlaps the next row's loads), so they keep the cached path.
+constexpr int64_t kStreamMaxK = 2048;
+
+template <typename T>
+bool stream_output(const sm::FwdArgs& a) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    const int64_t bytes = 2 * a.outer * a.K * static_cast<int64_t>(sizeof(T));
+    return a.mode == sm::Mode::Softmax && a.K <= kStreamMaxK && bytes > last_level_cache_bytes();
+  }
+}
+
 template <typename T>
 void fwd_rows(const sm::FwdArgs& a) {
   using A = Acc<T>;
@@ -557,12 +633,14 @@ void fwd_rows(const sm::FwdArgs& a) {
     // Aligned to a cache line, so no vector access to it splits a line.
     constexpr int64_t kPad = 64 / sizeof(A);
     const bool half_or_masked = kNeedsConvert<T> || a.mode == sm::Mode::ScaledMasked;
-    const int64_t buf_len = half_or_masked ? (kNeedsConvert<T> && K <= kShortK ? kRows * K : K) : 0;
+    const bool stream = stream_output<T>(a);
+    const int64_t buf_len = half_or_masked ? (kNeedsConvert<T> && K <= kShortK ? kRows * K : K) : (stream ? K : 0);
     const bool need_buf = buf_len > 0;
     std::vector<A> scratch(need_buf ? buf_len + kPad : 0);
     A* buf = scratch.data();
     if (need_buf) buf += (kPad - (reinterpret_cast<std::uintptr_t>(buf) % 64) / sizeof(A)) % kPad;
-    fwd_rows_range<T>(a, r0, r1, buf);
+    fwd_rows_range<T>(a, r0, r1, buf, stream);
+    if (stream) stream_fence();
   });
 }
 
