@@ -85,17 +85,6 @@ inline Vectorized<A> vexp(const Vectorized<A>& v) {
   }
 }
 
-// exp for values that end up rounded to T: bfloat16 keeps 8 significant
-// bits, so at::vec's cheaper cubic exp (relative error far below bfloat16's
-// rounding) is used for it; other types use vexp.
-template <typename T>
-inline Vectorized<float> vexp_for(const Vectorized<float>& v) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    return Vectorized<float>::blendv(v.fexp_u20(), v, v != v);  // keep NaN
-  } else {
-    return vexp(v);
-  }
-}
 
 // max that propagates NaN, as torch's reductions do.
 template <typename A>
@@ -174,15 +163,26 @@ inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
   return vexp(v);
 }
 
-// exp for values in [-inf, 0] that end up rounded to T (rows with a finite
-// max): exp_nonpos where it is the fast one (AVX-512), else vexp_for.
-template <typename T>
-inline Vectorized<float> exp_nonpos_for(const Vectorized<float>& v) {
+// The exp of the element pass, for values whose results end up in T.
+// kFinite: v = x - max over a row with a finite max, so in [-inf, 0] and
+// never NaN: exp_nonpos (its fast form on AVX-512). bfloat16 otherwise (and
+// off AVX-512) takes at::vec's cheaper cubic exp: it keeps 8 significant
+// bits, and the cubic's relative error is far below that rounding. Every
+// other case: vexp.
+template <typename T, bool kFinite>
+inline Vectorized<Acc<T>> exp_for(const Vectorized<Acc<T>>& v) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return exp_nonpos(v);
+  constexpr bool kCubic = std::is_same_v<T, c10::BFloat16> && !kFinite;
 #else
-  return vexp_for<T>(v);
+  constexpr bool kCubic = std::is_same_v<T, c10::BFloat16>;
 #endif
+  if constexpr (kCubic) {
+    return Vectorized<float>::blendv(v.fexp_u20(), v, v != v);  // keep NaN
+  } else if constexpr (kFinite) {
+    return exp_nonpos(v);
+  } else {
+    return vexp(v);
+  }
 }
 
 // sum(exp(src - m)), also storing dst[i] = exp(src[i] - m) when kStore
@@ -195,13 +195,7 @@ template <bool kStore, bool kFinite, bool kNext = false, typename A>
 inline A exp_sum_pass(const A* src, A* dst, int64_t n, A m, const A* nx = nullptr, A* nmax = nullptr) {
   using V = Vectorized<A>;
   V n0(-std::numeric_limits<A>::infinity()), n1 = n0;
-  auto ex = [](const V& v) {
-    if constexpr (kFinite) {
-      return exp_nonpos(v);
-    } else {
-      return vexp(v);
-    }
-  };
+  auto ex = [](const V& v) { return exp_for<A, kFinite>(v); };
   constexpr int64_t W = V::size();
   const V vm(m);
   V acc(0);
@@ -318,19 +312,13 @@ inline Acc<T> in_max(const T* x, int64_t n) {
 }
 
 // Half types: buf = exp(x - m) in float; returns the sum. A finite m
-// means x holds no NaN and no +inf: exp_nonpos_for.
+// means x holds no NaN and no +inf (exp_for's kFinite).
 template <typename T, bool kFinite>
 inline float in_exp_sum_pass(const T* x, float* buf, int64_t n, float m) {
   using IO = VecIO<T>;
   using V = Vectorized<float>;
   constexpr int64_t W = IO::kWidth;
-  auto ex = [](const V& v) {
-    if constexpr (kFinite) {
-      return exp_nonpos_for<T>(v);
-    } else {
-      return vexp_for<T>(v);
-    }
-  };
+  auto ex = [](const V& v) { return exp_for<T, kFinite>(v); };
   const V vm(m);
   V acc0(0), acc1(0);
   int64_t i = 0;
@@ -402,22 +390,13 @@ inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
   } else {
     dst = y;
   }
-  // Every max finite: no NaN or +inf in the rows, exp_nonpos_for.
+  // Every max finite: no NaN or +inf in the rows (exp_for's kFinite).
   auto exp_rows = [&](auto finite) {
     for (i = 0; i < body; i += W) {
       for (int r = 0; r < kRows; ++r) {
         const auto p = IO::load(x + r * K + i);
         for (int k = 0; k < P; ++k) {
-          V e;
-          if constexpr (decltype(finite)::value && kNeedsConvert<T>) {
-            e = exp_nonpos_for<T>(p.v[k] - mx[r]);
-          } else if constexpr (decltype(finite)::value) {
-            e = exp_nonpos(p.v[k] - mx[r]);
-          } else if constexpr (kNeedsConvert<T>) {
-            e = vexp_for<T>(p.v[k] - mx[r]);
-          } else {
-            e = vexp(p.v[k] - mx[r]);
-          }
+          const V e = exp_for<T, decltype(finite)::value>(p.v[k] - mx[r]);
           e.store(dst + r * K + i + k * V::size());
           acc[r] = acc[r] + e;
         }
