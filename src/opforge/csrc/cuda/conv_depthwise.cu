@@ -608,115 +608,119 @@ __device__ __forceinline__ DwS1NhwcTile dw_s1_nhwc_tile(const DwS1NhwcArgs& a, i
   return r;
 }
 
-template <typename scalar_t, int PAD>
+// Queues the copies of the tile (pair with copy_async_wait_all). LB: bytes
+// per copy (16, 8 or 4), a template argument so that the copy is one
+// instruction with no switch.
+template <typename scalar_t, int PAD, int LB>
 __device__ __forceinline__ void dw_s1_nhwc_stage(const scalar_t* __restrict__ x, scalar_t* tile, const DwS1NhwcArgs& a,
                                                  const DwS1NhwcTile& tt) {
+  constexpr int L = LB / static_cast<int>(sizeof(scalar_t));
   const int sw = tt.bw + 2;        // staged columns
-  const int spitch = a.TW + 2;     // staged pixels per row
-  const int L = a.LB / static_cast<int>(sizeof(scalar_t));
-  const int cpp = tt.cba / L;  // copies per pixel
+  const int rows = tt.bh + 2;      // staged rows
+  const int cpp = tt.cba / L;      // copies per pixel
   // Thread i copies part i % cpp of staged pixels i / cpp, + step, ...: the
-  // pixel's row and column advance without a division per copy (the stage
-  // is a large part of this kernel's instructions).
+  // pixel's row and column, and both offsets, advance by additions only (the
+  // stage is a large part of this kernel's instructions: a division or a
+  // 64-bit index product per copy would be most of it).
   const int step = static_cast<int>(blockDim.x) / cpp;
   const int first = static_cast<int>(threadIdx.x) / cpp;
   if (first >= step) return;
   const int part = static_cast<int>(threadIdx.x) - first * cpp;
   int rr = first / sw, qq = first - rr * sw;
-  const int rows = tt.bh + 2;
-  for (; rr < rows;) {
-    const int ih = tt.oh0 - PAD + rr, iw = tt.ow0 - PAD + qq;
-    scalar_t* dst = tile + (rr * spitch + qq) * a.CB + part * L;
-    if (ih < 0 || ih >= a.H || iw < 0 || iw >= a.W) {
-      zero_bytes(dst, a.LB);
-    } else {
-      const scalar_t* src = x + ((tt.n * a.H + ih) * a.W + iw) * static_cast<int64_t>(a.C) + tt.cin0 + part * L;
-      switch (a.LB) {
-        case 16: copy_async<16>(dst, src); break;
-        case 8: copy_async<8>(dst, src); break;
-        default: copy_async<4>(dst, src); break;
-      }
-    }
+  const int ih0 = tt.oh0 - PAD, iw0 = tt.ow0 - PAD;
+  // Tiles away from the border stage only pixels inside the image; pixels
+  // outside it are staged as zeros by the same copy instruction.
+  const bool inside = ih0 >= 0 && iw0 >= 0 && ih0 + rows <= a.H && iw0 + sw <= a.W;
+  const int64_t C = a.C;
+  // Where (rr, qq) is read from (the image's pixel (ih0 + rr, iw0 + qq):
+  // the pointer lies outside x for pixels outside the image, which are not
+  // read) and written to (a shared-memory address).
+  const scalar_t* src = x + ((tt.n * a.H + ih0 + rr) * a.W + iw0 + qq) * C + tt.cin0 + part * L;
+  uint32_t dst = opforge::cuda::smem_u32(tile + (rr * (a.TW + 2) + qq) * a.CB + part * L);
+  const int64_t xstep = step * C, xwrap = (a.W - sw) * C;
+  const uint32_t tstep = step * a.CB * sizeof(scalar_t), twrap = (a.TW + 2 - sw) * a.CB * sizeof(scalar_t);
+  while (rr < rows) {
+    const bool in = inside || (static_cast<unsigned>(ih0 + rr) < static_cast<unsigned>(a.H) &&
+                               static_cast<unsigned>(iw0 + qq) < static_cast<unsigned>(a.W));
+    opforge::cuda::copy_async_zfill<LB>(dst, src, in);
     qq += step;
-    while (qq >= sw) qq -= sw, ++rr;
+    src += xstep;
+    dst += tstep;
+    while (qq >= sw) qq -= sw, ++rr, src += xwrap, dst += twrap;
   }
 }
 
-template <typename scalar_t>
-__device__ __forceinline__ void dw_s1_nhwc_compute(const scalar_t* tile, const scalar_t* __restrict__ w,
-                                                   const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
-                                                   const DwS1NhwcArgs& a, const DwS1NhwcTile& tt) {
-  constexpr int V = 4;
-  const int spitch = a.TW + 2;
-  const int cvn = tt.cba / V;
-  const int items = cvn * tt.bw;
-  for (int it = threadIdx.x; it < items; it += blockDim.x) {
-    const int cv = it % cvn, q = it / cvn;
-    const int c0 = tt.cin0 + cv * V;
-    float wr[9][V], bv[V];
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-#pragma unroll
-      for (int t = 0; t < 9; ++t) wr[t][e] = static_cast<float>(w[static_cast<int64_t>(c0 + e) * 9 + t]);
-      bv[e] = b != nullptr ? static_cast<float>(b[c0 + e]) : 0.f;
-    }
-    const scalar_t* s = tile + q * a.CB + cv * V;  // staged row 0, column q
-    const int rstep = spitch * a.CB;
-    auto load_row = [&](const scalar_t* sp, float (&r)[3][V]) {
-#pragma unroll
-      for (int kw = 0; kw < 3; ++kw) widen4(sp + kw * a.CB, r[kw]);
-    };
-    // Rolling accumulators: staged row ri completes output row ri - 2 (kernel
-    // row 2), continues ri - 1 (row 1) and starts ri (row 0), so only one
-    // input row and two partial sums are live.
-    auto fma_row = [&](const float (&xr)[3][V], int kh, float (&acc)[V]) {
-#pragma unroll
-      for (int e = 0; e < V; ++e)
-#pragma unroll
-        for (int kw = 0; kw < 3; ++kw) acc[e] = fmaf(wr[kh * 3 + kw][e], xr[kw][e], acc[e]);
-    };
-    float xr[3][V], accP[V], accQ[V];
-    load_row(s, xr);
-#pragma unroll
-    for (int e = 0; e < V; ++e) accP[e] = bv[e];
-    fma_row(xr, 0, accP);
-    load_row(s + rstep, xr);
-    fma_row(xr, 1, accP);
-#pragma unroll
-    for (int e = 0; e < V; ++e) accQ[e] = bv[e];
-    fma_row(xr, 0, accQ);
-    s += 2 * rstep;
-    scalar_t* o = out + ((tt.n * a.Ho + tt.oh0) * a.Wo + tt.ow0 + q) * static_cast<int64_t>(a.C) + c0;
-    const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
-#pragma unroll 2
-    for (int r = 0; r < tt.bh; ++r) {
-      load_row(s, xr);
-      s += rstep;
-      fma_row(xr, 2, accP);
-      *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, a.relu);
-      o += ostep;
-#pragma unroll
-      for (int e = 0; e < V; ++e) accP[e] = accQ[e];
-      fma_row(xr, 1, accP);
-#pragma unroll
-      for (int e = 0; e < V; ++e) accQ[e] = bv[e];
-      fma_row(xr, 0, accQ);
-    }
-  }
-}
-
-template <typename scalar_t, int PAD>
+template <typename scalar_t, int PAD, int LB>
 __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __restrict__ x,
                                                            const scalar_t* __restrict__ w,
                                                            const scalar_t* __restrict__ b,
                                                            scalar_t* __restrict__ out, DwS1NhwcArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  scalar_t* stage = reinterpret_cast<scalar_t*>(smem_raw);
-  const DwS1NhwcTile tile = dw_s1_nhwc_tile(a, blockIdx.x);
-  dw_s1_nhwc_stage<scalar_t, PAD>(x, stage, a, tile);
-  copy_async_wait_all();
-  __syncthreads();
-  dw_s1_nhwc_compute<scalar_t>(stage, w, b, out, a, tile);
+  const scalar_t* tile = reinterpret_cast<const scalar_t*>(smem_raw);
+  const DwS1NhwcTile tt = dw_s1_nhwc_tile(a, blockIdx.x);
+  dw_s1_nhwc_stage<scalar_t, PAD, LB>(x, reinterpret_cast<scalar_t*>(smem_raw), a, tt);
+
+  // One item (4 channels x 1 output column) per thread: the host launches at
+  // least CB / 4 * TW threads. The item's weights and bias are read while the
+  // stage is in flight, so that their latency overlaps the copies' instead of
+  // following it.
+  constexpr int V = 4;
+  const int cvn = tt.cba / V;
+  const bool active = static_cast<int>(threadIdx.x) < cvn * tt.bw;
+  const int cv = static_cast<int>(threadIdx.x) % cvn, q = static_cast<int>(threadIdx.x) / cvn;
+  const int c0 = tt.cin0 + cv * V;
+  float wr[9][V], bv[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+#pragma unroll
+    for (int t = 0; t < 9; ++t) wr[t][e] = active ? static_cast<float>(w[static_cast<int64_t>(c0 + e) * 9 + t]) : 0.f;
+    bv[e] = active && b != nullptr ? static_cast<float>(b[c0 + e]) : 0.f;
+  }
+  const int rstep = (a.TW + 2) * a.CB;
+  const scalar_t* s = tile + q * a.CB + cv * V;  // staged row 0, column q
+  scalar_t* o = out + ((tt.n * a.Ho + tt.oh0) * a.Wo + tt.ow0 + q) * static_cast<int64_t>(a.C) + c0;
+  const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
+  auto load_row = [&](const scalar_t* sp, float (&r)[3][V]) {
+#pragma unroll
+    for (int kw = 0; kw < 3; ++kw) widen4(sp + kw * a.CB, r[kw]);
+  };
+  // Rolling accumulators: staged row ri completes output row ri - 2 (kernel
+  // row 2), continues ri - 1 (row 1) and starts ri (row 0), so only one
+  // input row and two partial sums are live.
+  auto fma_row = [&](const float (&xr)[3][V], int kh, float (&acc)[V]) {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) acc[e] = fmaf(wr[kh * 3 + kw][e], xr[kw][e], acc[e]);
+  };
+  copy_async_wait_all();  // this thread's copies have landed
+  __syncthreads();         // and every thread's
+  if (!active) return;
+  float xr[3][V], accP[V], accQ[V];
+  load_row(s, xr);
+#pragma unroll
+  for (int e = 0; e < V; ++e) accP[e] = bv[e];
+  fma_row(xr, 0, accP);
+  load_row(s + rstep, xr);
+  fma_row(xr, 1, accP);
+#pragma unroll
+  for (int e = 0; e < V; ++e) accQ[e] = bv[e];
+  fma_row(xr, 0, accQ);
+  s += 2 * rstep;
+#pragma unroll 2
+  for (int r = 0; r < tt.bh; ++r) {
+    load_row(s, xr);
+    s += rstep;
+    fma_row(xr, 2, accP);
+    *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, a.relu);
+    o += ostep;
+#pragma unroll
+    for (int e = 0; e < V; ++e) accP[e] = accQ[e];
+    fma_row(xr, 1, accP);
+#pragma unroll
+    for (int e = 0; e < V; ++e) accQ[e] = bv[e];
+    fma_row(xr, 0, accQ);
+  }
 }
 
 // ---------------------------------------------------------------- backward: grad x
@@ -1075,8 +1079,14 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
       kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(xp, wp, bp, op, a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    if (g.pad == 1) launch(dw_fwd_nhwc_s1<scalar_t, 1>);
-    else launch(dw_fwd_nhwc_s1<scalar_t, 0>);
+    auto with_pad = [&](auto lb) {
+      constexpr int LB = decltype(lb)::value;
+      if (g.pad == 1) launch(dw_fwd_nhwc_s1<scalar_t, 1, LB>);
+      else launch(dw_fwd_nhwc_s1<scalar_t, 0, LB>);
+    };
+    if (a.LB == 16) with_pad(std::integral_constant<int, 16>{});
+    else if (a.LB == 8) with_pad(std::integral_constant<int, 8>{});
+    else with_pad(std::integral_constant<int, 4>{});
     return true;
   }
 }

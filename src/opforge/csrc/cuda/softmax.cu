@@ -70,6 +70,10 @@ using Acc = at::opmath_type<T>;
 // registers per thread, room for 64 values held in registers without spills.
 constexpr int kMaxGroup = 512;
 
+// Most blocks in one cluster (16 needs the non-portable size, which H100 and
+// H200 allow; where the GPU refuses, the split path runs instead).
+constexpr int kMaxCluster = 16;
+
 // Whether a row kernel holds a half type's values as loaded, two per
 // register, instead of widened to float (16-byte vectors of float16 or
 // bfloat16; every backward, the forward of softmax and log_softmax):
@@ -179,64 +183,93 @@ __device__ __forceinline__ A group_reduce(A v, int G, Op op, A* smem) {
 #define OPFORGE_SOFTMAX_CLUSTERS 0
 #endif
 
-// Combines the (max, sum of exp) of every block of the cluster (one chunk of
-// the row each): gm = max m_i, gs = sum s_i * exp(m_i - gm). Every thread of
-// every block must call it; all get the result.
-template <typename A>
-__device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
+// The cluster barrier in halves (sm_90). Every thread of every block of the
+// cluster arrives once and waits once per barrier phase. A cluster kernel
+// arrives (relaxed: it publishes nothing) as it starts and completes that
+// phase only when it first writes another block's shared memory: by then
+// every block of the cluster has started, which distributed shared memory
+// needs, and the wait is long over. cluster_sync is a whole barrier: writes
+// before it are seen by every block of the cluster after it.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
 #if OPFORGE_SOFTMAX_CLUSTERS
-  __shared__ A mine[2];
-  __shared__ A combined[2];
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if OPFORGE_SOFTMAX_CLUSTERS
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_sync() {
+#if OPFORGE_SOFTMAX_CLUSTERS
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+
+// Blocks in this block's cluster (1 without clusters).
+__device__ __forceinline__ unsigned cluster_blocks() {
+  unsigned n = 1;
+#if OPFORGE_SOFTMAX_CLUSTERS
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+
+// Sends the block's N values (known to every thread) into slot
+// [rank][0..N) of every block of the cluster, then waits until every block's
+// values have landed in this block's slots. One barrier on the path: each
+// block reads only its own shared memory afterwards, so none has to stay
+// alive for another's reads (pulling the values instead costs a remote read
+// and a second barrier). Follows the cluster_arrive_relaxed at kernel start.
+template <typename A, int N>
+__device__ __forceinline__ void cluster_exchange(const A (&mine)[N], A (&slots)[kMaxCluster][N]) {
+#if OPFORGE_SOFTMAX_CLUSTERS
   cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
-  if (threadIdx.x == 0) {
-    mine[0] = m;
-    mine[1] = m == neg_inf<A>() ? A(0) : s;  // an all -inf chunk contributes nothing
+  cluster_wait();
+  if (threadIdx.x < cl.num_blocks()) {
+    A* dst = cl.map_shared_rank(&slots[0][0], static_cast<int>(threadIdx.x)) + cl.block_rank() * N;
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = mine[i];
   }
-  cl.sync();
-  if (threadIdx.x < 32) {
-    A rm = neg_inf<A>(), rs = 0;
-    if (threadIdx.x < cl.num_blocks()) {
-      const A* p = cl.map_shared_rank(mine, static_cast<int>(threadIdx.x));
-      rm = p[0];
-      rs = p[1];
-    }
-    A mm = rm;
-    for (int off = 16; off > 0; off >>= 1) mm = max_nan(mm, __shfl_xor_sync(0xffffffffu, mm, off));
-    A t = rm == neg_inf<A>() ? A(0) : rs * dev_exp(rm - mm);
-    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-    if (threadIdx.x == 0) {
-      combined[0] = mm;
-      combined[1] = t;
-    }
-  }
-  cl.sync();  // also keeps `mine` alive until every block has read it
-  gm = combined[0];
-  gs = combined[1];
+  cluster_sync();
 #else
   __trap();
 #endif
 }
 
+// Combines the (max, sum of exp) of every block of the cluster (one chunk of
+// the row each): gm = max m_i, gs = sum s_i * exp(m_i - gm). Every thread of
+// every block must call it; all get the result (each warp combines the
+// cluster's pairs itself: no block barrier after the cluster's).
+template <typename A>
+__device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
+  __shared__ A slots[kMaxCluster][2];
+  const A mine[2] = {m, m == neg_inf<A>() ? A(0) : s};  // an all -inf chunk contributes nothing
+  cluster_exchange(mine, slots);
+  const unsigned lane = threadIdx.x & 31u;
+  const bool have = lane < cluster_blocks();
+  const A rm = have ? slots[lane][0] : neg_inf<A>();
+  const A rs = have ? slots[lane][1] : A(0);
+  A mm = rm;
+  for (int off = 16; off > 0; off >>= 1) mm = max_nan(mm, __shfl_xor_sync(0xffffffffu, mm, off));
+  A t = rm == neg_inf<A>() ? A(0) : rs * dev_exp(rm - mm);
+  for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+  gm = mm;
+  gs = t;
+}
+
 // The sum of one value per block of the cluster (see cluster_max_sum).
 template <typename A>
 __device__ __forceinline__ A cluster_sum(A v) {
-#if OPFORGE_SOFTMAX_CLUSTERS
-  __shared__ A mine;
-  __shared__ A combined;
-  cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
-  if (threadIdx.x == 0) mine = v;
-  cl.sync();
-  if (threadIdx.x < 32) {
-    A t = threadIdx.x < cl.num_blocks() ? *cl.map_shared_rank(&mine, static_cast<int>(threadIdx.x)) : A(0);
-    for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-    if (threadIdx.x == 0) combined = t;
-  }
-  cl.sync();
-  return combined;
-#else
-  __trap();
-  return v;
-#endif
+  __shared__ A slots[kMaxCluster][1];
+  const A mine[1] = {v};
+  cluster_exchange(mine, slots);
+  const unsigned lane = threadIdx.x & 31u;
+  A t = lane < cluster_blocks() ? slots[lane][0] : A(0);
+  for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+  return t;
 }
 
 // Where a group of threads works: row `row` (valid or not), its `len`
@@ -626,6 +659,7 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
   using A = Acc<T>;
   __shared__ A smem[32];
   const int64_t K = a.K;
+  if (phase == 3) cluster_arrive_relaxed();  // see cluster_exchange
   const Segment s = make_segment(G, phase, row0, rows, K, chunk);
   const T* x = static_cast<const T*>(a.in) + s.row * K;
   T* y = static_cast<T*>(a.out) + s.row * K;
@@ -807,6 +841,7 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>
   using A = Acc<T>;
   __shared__ A smem[32];
   const int64_t K = a.K;
+  if (phase == 3) cluster_arrive_relaxed();  // see cluster_exchange
   const Segment s = make_segment(G, phase, row0, rows, K, chunk);
   const int64_t off = s.row * K;
   const T* gp = static_cast<const T*>(a.grad) + off;
@@ -925,10 +960,6 @@ void with_iters(int it, F&& f) {
     default: if constexpr (ITMAX >= 16) { f(std::integral_constant<int, 16>{}); } else { TORCH_INTERNAL_ASSERT(false); }
   }
 }
-
-// Most blocks in one cluster (16 needs the non-portable size, which H100 and
-// H200 allow; where the GPU refuses, the split path runs instead).
-constexpr int kMaxCluster = 16;
 
 enum class Kind { Rows, Cluster, Split };
 

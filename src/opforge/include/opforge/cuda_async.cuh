@@ -53,6 +53,32 @@ __device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
 #endif
 }
 
+// copy_async to a shared-memory address (smem_u32) that writes B zero bytes
+// instead, reading nothing, where `pred` is false: one instruction either
+// way, no branch (halos and padding).
+template <int B>
+__device__ __forceinline__ void copy_async_zfill(uint32_t smem, const void* gmem, bool pred) {
+  static_assert(B == 4 || B == 8 || B == 16, "cp.async copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int n = pred ? B : 0;
+  if constexpr (B == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(n));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem), "l"(gmem), "n"(B), "r"(n));
+  }
+#elif defined(__CUDA_ARCH__)
+  // Older GPUs: a plain copy (a shared address from smem_u32 is an offset in
+  // the shared window).
+  uint32_t v[B / 4] = {};
+  if (pred) {
+#pragma unroll
+    for (int i = 0; i < B / 4; ++i) v[i] = static_cast<const uint32_t*>(gmem)[i];
+  }
+#pragma unroll
+  for (int i = 0; i < B / 4; ++i) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem + 4 * i), "r"(v[i]));
+#endif
+}
+
 // Waits for all of this thread's copy_async copies (no-op below sm_80).
 __device__ __forceinline__ void copy_async_wait_all() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
