@@ -47,6 +47,10 @@ class BenchCase:
     # passes at one and not the other. Gradients are compared with the
     # incoming gradient zeroed where the two outputs' signs disagree.
     relu_output: bool = False
+    # Absolute tolerance for the gradients of some inputs (input index ->
+    # atol), where the gradient is a long reduction (a conv's weight and bias
+    # gradients sum N x H x W terms, whose rounding grows with the count).
+    grad_atol: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 _REGISTRY: dict[str, Callable[[str], list[BenchCase]]] = {}

@@ -784,42 +784,50 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-// NCHW: block (k, split); threads stride over the split's (n, oh, ow) items
-// (ow fastest: coalesced). Partials: part[(k * splits + split) * 10 + t].
+// Both weight kernels split the N * Ho output rows (of one channel) into
+// `splits` runs of rows_per_split rows and find a row's (n, oh) with one
+// division per row, not per element (64-bit divisions are subroutine calls).
+// A thread's 10 sums (9 taps and the bias) go to part[(k * splits + split) *
+// 10 + t] after a block reduction.
+
+// NCHW: block (k, split); warp w takes rows w, w + 8, ... of the split, its
+// lanes along ow (coalesced loads of grad_out, result and x).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
                                                                const scalar_t* __restrict__ x,
                                                                at::opmath_type<scalar_t>* __restrict__ part, DwArgs a,
-                                                               int S, int splits, int64_t per_split) {
+                                                               int S, int splits, int64_t rows_per_split) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t k = blockIdx.x;
   const int split = blockIdx.y;
   const int64_t c = k / a.mult;
-  const int64_t HoWo = a.Ho * a.Wo, items = a.N * HoWo;
-  const int64_t begin = split * per_split, end = begin + per_split < items ? begin + per_split : items;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+  const int64_t rows = a.N * a.Ho;
+  const int64_t begin = split * rows_per_split, end = begin + rows_per_split < rows ? begin + rows_per_split : rows;
   opmath_t acc[10];
 #pragma unroll
   for (int t = 0; t < 10; ++t) acc[t] = opmath_t(0);
-  for (int64_t it = begin + threadIdx.x; it < end; it += blockDim.x) {
-    const int64_t n = it / HoWo, p = it % HoWo, oh = p / a.Wo, ow = p % a.Wo;
-    const int64_t off = (n * a.K + k) * HoWo + p;
-    opmath_t gv = static_cast<opmath_t>(g[off]);
-    if (res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0))) gv = opmath_t(0);
+  for (int64_t row = begin + warp; row < end; row += nwarps) {
+    const int64_t n = row / a.Ho, oh = row - n * a.Ho;
+    const int64_t goff = ((n * a.K + k) * a.Ho + oh) * a.Wo;
     const scalar_t* xp = x + (n * a.C + c) * a.H * a.W;
+    for (int64_t ow = lane; ow < a.Wo; ow += 32) {
+      opmath_t gv = static_cast<opmath_t>(g[goff + ow]);
+      if (res != nullptr && !(static_cast<opmath_t>(res[goff + ow]) > opmath_t(0))) gv = opmath_t(0);
 #pragma unroll
-    for (int kh = 0; kh < 3; ++kh) {
-      const int64_t ih = oh * S - a.pad + kh;
-      const bool row_ok = ih >= 0 && ih < a.H;
+      for (int kh = 0; kh < 3; ++kh) {
+        const int64_t ih = oh * S - a.pad + kh;
+        const bool row_ok = ih >= 0 && ih < a.H;
 #pragma unroll
-      for (int kw = 0; kw < 3; ++kw) {
-        const int64_t iw = ow * S - a.pad + kw;
-        if (row_ok && iw >= 0 && iw < a.W) acc[kh * 3 + kw] += gv * static_cast<opmath_t>(xp[ih * a.W + iw]);
+        for (int kw = 0; kw < 3; ++kw) {
+          const int64_t iw = ow * S - a.pad + kw;
+          if (row_ok && iw >= 0 && iw < a.W) acc[kh * 3 + kw] += gv * static_cast<opmath_t>(xp[ih * a.W + iw]);
+        }
       }
+      acc[9] += gv;
     }
-    acc[9] += gv;
   }
   __shared__ opmath_t red[kThreads / 32][10];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
   for (int t = 0; t < 10; ++t) {
     const opmath_t v = warp_sum(acc[t]);
@@ -828,46 +836,74 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* _
   __syncthreads();
   if (threadIdx.x < 10) {
     opmath_t s = opmath_t(0);
-    for (int q = 0; q < static_cast<int>(blockDim.x / 32); ++q) s += red[q][threadIdx.x];
+    for (int q = 0; q < nwarps; ++q) s += red[q][threadIdx.x];
     part[(k * splits + split) * 10 + threadIdx.x] = s;
   }
 }
 
-// NHWC: block (chunk of 32 output channels, split); threadIdx.x is the channel
-// (coalesced along C), threadIdx.y (8) strides over the split's pixels.
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nhwc(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+// NHWC: block (chunk of 32 output channels, split); threadIdx.x is the
+// channel (coalesced along C), threadIdx.y (8) takes rows y, y + 8, ... of
+// the split and walks each along ow with the 3 x 3 input window in
+// registers: S new columns (3 * S loads) per output instead of 9.
+// (kThreads, 2): ptxas's own choice of 64 registers spilled the S = 2 window.
+template <typename scalar_t, int S>
+__global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
                                                                const scalar_t* __restrict__ x,
                                                                at::opmath_type<scalar_t>* __restrict__ part, DwArgs a,
-                                                               int S, int splits, int64_t per_split) {
+                                                               int splits, int64_t rows_per_split) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const int split = blockIdx.y;
   const bool active = k < a.K;
   const int64_t c = active ? k / a.mult : 0;
-  const int64_t HoWo = a.Ho * a.Wo, items = a.N * HoWo;
-  const int64_t begin = split * per_split, end = begin + per_split < items ? begin + per_split : items;
+  const int64_t rows = a.N * a.Ho;
+  const int64_t begin = split * rows_per_split, end = begin + rows_per_split < rows ? begin + rows_per_split : rows;
   opmath_t acc[10];
 #pragma unroll
   for (int t = 0; t < 10; ++t) acc[t] = opmath_t(0);
   if (active) {
-    for (int64_t it = begin + threadIdx.y; it < end; it += blockDim.y) {
-      const int64_t n = it / HoWo, p = it % HoWo, oh = p / a.Wo, ow = p % a.Wo;
-      const int64_t off = it * a.K + k;
-      opmath_t gv = static_cast<opmath_t>(g[off]);
-      if (res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0))) gv = opmath_t(0);
+    for (int64_t row = begin + threadIdx.y; row < end; row += blockDim.y) {
+      const int64_t n = row / a.Ho, oh = row - n * a.Ho;
+      const scalar_t* gr = g + row * a.Wo * a.K + k;  // (n, oh, ow, k) at gr[ow * K]
+      const scalar_t* rr = res != nullptr ? res + row * a.Wo * a.K + k : nullptr;
+      const scalar_t* xr[3];  // input row oh * S - pad + kh, pixel iw at xr[kh][iw * C]
+      bool row_ok[3];
 #pragma unroll
       for (int kh = 0; kh < 3; ++kh) {
         const int64_t ih = oh * S - a.pad + kh;
-        const bool row_ok = ih >= 0 && ih < a.H;
+        row_ok[kh] = ih >= 0 && ih < a.H;
+        xr[kh] = x + (n * a.H + (row_ok[kh] ? ih : 0)) * a.W * a.C + c;
+      }
+      auto at_col = [&](int kh, int64_t iw) {
+        return row_ok[kh] && iw >= 0 && iw < a.W ? static_cast<opmath_t>(xr[kh][iw * a.C]) : opmath_t(0);
+      };
+      opmath_t win[3][3];  // win[kh][kw]: input (oh * S - pad + kh, ow * S - pad + kw)
 #pragma unroll
-        for (int kw = 0; kw < 3; ++kw) {
-          const int64_t iw = ow * S - a.pad + kw;
-          if (row_ok && iw >= 0 && iw < a.W)
-            acc[kh * 3 + kw] += gv * static_cast<opmath_t>(x[((n * a.H + ih) * a.W + iw) * a.C + c]);
+      for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) win[kh][kw] = at_col(kh, kw - a.pad);
+      for (int64_t ow = 0; ow < a.Wo; ++ow) {
+        opmath_t gv = static_cast<opmath_t>(gr[ow * a.K]);
+        if (rr != nullptr && !(static_cast<opmath_t>(rr[ow * a.K]) > opmath_t(0))) gv = opmath_t(0);
+#pragma unroll
+        for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw) acc[kh * 3 + kw] += gv * win[kh][kw];
+        acc[9] += gv;
+        // Slide to ow + 1, whose window starts S columns on.
+        const int64_t next = (ow + 1) * S - a.pad;
+#pragma unroll
+        for (int kh = 0; kh < 3; ++kh) {
+          if constexpr (S == 1) {
+            win[kh][0] = win[kh][1];
+            win[kh][1] = win[kh][2];
+          } else {
+            win[kh][0] = win[kh][2];
+            win[kh][1] = at_col(kh, next + 1);
+          }
+          win[kh][2] = at_col(kh, next + 2);
         }
       }
-      acc[9] += gv;
     }
   }
   __shared__ opmath_t red[8][10][33];
@@ -1202,12 +1238,15 @@ void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor
                                     at::Tensor& grad_w, at::Tensor& grad_b, const Geometry& g, bool nhwc) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const DwArgs a = base_args(g);
-  const int64_t items = g.N * g.Ho * g.Wo;
   const int S = static_cast<int>(g.stride);
+  // Splits of the N * Ho output rows: about 8 blocks per SM in all, at
+  // least 8 rows per split (a warp or thread row each).
+  const int64_t rows = g.N * g.Ho;
   const int64_t col_blocks = nhwc ? (g.K + 31) / 32 : g.K;
-  const int64_t want = (4LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks;
-  const int splits = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, (items + 2047) / 2048, 65535})));
-  const int64_t per_split = (items + splits - 1) / splits;
+  const int64_t want = (8LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks;
+  const int64_t rows_per_split =
+      std::max<int64_t>(8, (rows + std::min<int64_t>(want, 65535) - 1) / std::min<int64_t>(want, 65535));
+  const int splits = static_cast<int>(std::max<int64_t>(1, (rows + rows_per_split - 1) / rows_per_split));
   const auto op_dtype = at::toOpMathType(x.scalar_type());
   at::Tensor part = at::empty({g.K, splits, 10}, x.options().dtype(op_dtype));
   OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_weight", [&] {
@@ -1218,11 +1257,12 @@ void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor
     auto* pp = part.mutable_data_ptr<opmath_t>();
     if (nhwc) {
       const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits));
-      dw_bwd_weight_nhwc<scalar_t><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, S, splits, per_split);
+      if (S == 1) dw_bwd_weight_nhwc<scalar_t, 1><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, splits, rows_per_split);
+      else dw_bwd_weight_nhwc<scalar_t, 2><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, splits, rows_per_split);
     } else {
       TORCH_CHECK(g.K <= INT32_MAX, "opforge._conv2d_3x3_backward: too many channels");
       const dim3 grid(static_cast<unsigned>(g.K), static_cast<unsigned>(splits));
-      dw_bwd_weight_nchw<scalar_t><<<grid, kThreads, 0, stream>>>(gp, rp, xp, pp, a, S, splits, per_split);
+      dw_bwd_weight_nchw<scalar_t><<<grid, kThreads, 0, stream>>>(gp, rp, xp, pp, a, S, splits, rows_per_split);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto* gwp = grad_w.defined() ? grad_w.mutable_data_ptr<scalar_t>() : nullptr;
