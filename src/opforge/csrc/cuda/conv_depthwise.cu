@@ -775,6 +775,110 @@ __global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __re
   }
 }
 
+// Stride 1, multiplier 1 (K == C): grad x is the depthwise convolution of
+// g' = g * (result > 0) with the kernel flipped,
+// gx[n, c, ih, iw] = sum_{kh, kw} g'[n, c, ih + pad - kh, iw + pad - kw] * w[c, kh, kw]
+// (zero outside the output image), computed a row at a time with one
+// division per row instead of the general kernel's per-element index
+// arithmetic, which ran 3-5x slower than cuDNN's whole backward.
+template <typename opmath_t, typename scalar_t>
+__device__ __forceinline__ opmath_t masked_grad(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                                                int64_t off) {
+  const opmath_t v = static_cast<opmath_t>(g[off]);
+  return res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0)) ? opmath_t(0) : v;
+}
+
+// NCHW: warps take the N * C * H rows of grad x in turn, lanes along iw
+// (coalesced); the 9 taps read grad_out and result through L1.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) dw_bwd_input_s1_nchw(const scalar_t* __restrict__ g,
+                                                                 const scalar_t* __restrict__ res,
+                                                                 const scalar_t* __restrict__ w,
+                                                                 scalar_t* __restrict__ gx, DwArgs a) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  const int64_t rows = a.N * a.C * a.H;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    const int64_t plane = r / a.H, ih = r - plane * a.H;
+    const int64_t c = plane % a.C;
+    opmath_t wk[9];
+#pragma unroll
+    for (int t = 0; t < 9; ++t) wk[t] = static_cast<opmath_t>(w[c * 9 + t]);
+    const int64_t gplane = plane * a.Ho * a.Wo;
+    for (int64_t iw = lane; iw < a.W; iw += 32) {
+      opmath_t acc = opmath_t(0);
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh) {
+        const int64_t oh = ih + a.pad - kh;
+        if (oh < 0 || oh >= a.Ho) continue;
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) {
+          const int64_t ow = iw + a.pad - kw;
+          if (ow >= 0 && ow < a.Wo) acc += masked_grad<opmath_t>(g, res, gplane + oh * a.Wo + ow) * wk[kh * 3 + kw];
+        }
+      }
+      gx[r * a.W + iw] = static_cast<scalar_t>(acc);
+    }
+  }
+}
+
+// NHWC: block (chunk of 32 channels, split of the N * H rows);
+// threadIdx.x is the channel (coalesced along C), threadIdx.y takes rows
+// y, y + 8, ... of the split and walks each along iw with the 3 x 3 window
+// of g' in registers (one new column of three output rows per step).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads, 2) dw_bwd_input_s1_nhwc(const scalar_t* __restrict__ g,
+                                                                    const scalar_t* __restrict__ res,
+                                                                    const scalar_t* __restrict__ w,
+                                                                    scalar_t* __restrict__ gx, DwArgs a,
+                                                                    int64_t rows_per_split) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  if (c >= a.C) return;  // no block barrier below
+  const int64_t rows = a.N * a.H;
+  const int64_t begin = blockIdx.y * rows_per_split;
+  const int64_t end = begin + rows_per_split < rows ? begin + rows_per_split : rows;
+  opmath_t wk[9];
+#pragma unroll
+  for (int t = 0; t < 9; ++t) wk[t] = static_cast<opmath_t>(w[c * 9 + t]);
+  for (int64_t row = begin + threadIdx.y; row < end; row += blockDim.y) {
+    const int64_t n = row / a.H, ih = row - n * a.H;
+    int64_t base[3];  // offset of output row ih + pad - kh, column 0, channel c
+    bool ok[3];
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh) {
+      const int64_t oh = ih + a.pad - kh;
+      ok[kh] = oh >= 0 && oh < a.Ho;
+      base[kh] = (n * a.Ho + (ok[kh] ? oh : 0)) * a.Wo * a.C + c;
+    }
+    auto tap = [&](int kh, int64_t ow) {
+      return ok[kh] && ow >= 0 && ow < a.Wo ? masked_grad<opmath_t>(g, res, base[kh] + ow * a.C) : opmath_t(0);
+    };
+    opmath_t win[3][3];  // win[kh][kw] = g'(ih + pad - kh, iw + pad - kw)
+#pragma unroll
+    for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw) win[kh][kw] = tap(kh, a.pad - kw);
+    scalar_t* out = gx + row * a.W * a.C + c;
+    for (int64_t iw = 0; iw < a.W; ++iw) {
+      opmath_t acc = opmath_t(0);
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) acc += win[kh][kw] * wk[kh * 3 + kw];
+      out[iw * a.C] = static_cast<scalar_t>(acc);
+      // iw + 1 reads columns one further: kw = 2 takes kw = 1's, 1 takes 0's.
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh) {
+        win[kh][2] = win[kh][1];
+        win[kh][1] = win[kh][0];
+        win[kh][0] = tap(kh, iw + 1 + a.pad);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- backward: grad weight / bias
 
 template <typename T>
@@ -1218,6 +1322,22 @@ void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor&
     const auto* rp = result.defined() ? result.const_data_ptr<scalar_t>() : nullptr;
     const auto* wp = w.const_data_ptr<scalar_t>();
     auto* gxp = grad_x.mutable_data_ptr<scalar_t>();
+    if (g.stride == 1 && g.mult == 1) {
+      if (nhwc) {
+        const int64_t rows = g.N * g.H, col_blocks = (g.C + 31) / 32;
+        const int64_t want = std::min<int64_t>(65535, (8LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks);
+        const int64_t rows_per_split = std::max<int64_t>(8, (rows + want - 1) / want);
+        const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + rows_per_split - 1) / rows_per_split));
+        dw_bwd_input_s1_nhwc<scalar_t><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, wp, gxp, a, rows_per_split);
+      } else {
+        const int64_t warps = g.N * g.C * g.H;
+        const int64_t blocks = std::min<int64_t>((warps + kThreads / 32 - 1) / (kThreads / 32),
+                                                 16LL * opforge::cuda::sm_count());
+        dw_bwd_input_s1_nchw<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(gp, rp, wp, gxp, a);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
     const int64_t blocks = opforge::cuda::grid_for(total, kThreads);
     const int S = static_cast<int>(g.stride);
     // int32 indices when every offset (and the grid-stride step past the end) fits.
