@@ -47,16 +47,18 @@ gpu-check:
 
 # The committed results in docs/benchmarks/, regenerated on an idle machine:
 # `make bench-docs` on the 2-core CPU, `make bench-docs DEVICE=cuda` on the
-# H200 (one run per op family, a few minutes each).
+# H200 (one run per op family, and the conv backward apart, a few minutes
+# each).
 DEVICE ?= cpu
 GPU_NAME ?= h200
 bench-docs:
 	@if [ "$(DEVICE)" = cuda ]; then \
-		for spec in "add_relu" "softmax --mode fwd --mode bwd" "nms" "conv --mode fwd"; do \
-			set -- $$spec; fam=$$1; shift; \
+		for spec in "add_relu add_relu" "softmax softmax --mode fwd --mode bwd" "nms nms" \
+				"conv conv --mode fwd" "conv-bwd conv --mode bwd"; do \
+			set -- $$spec; name=$$1; fam=$$2; shift 2; \
 			PYTHONPATH=src $(PYTHON) -m opforge_cli bench $$fam "$$@" --device cuda --no-progress \
-				--json docs/benchmarks/$(GPU_NAME)-$$fam.json --markdown docs/benchmarks/$(GPU_NAME)-$$fam.md \
-				--plot docs/benchmarks/$(GPU_NAME)-$$fam.png || exit 1; \
+				--json docs/benchmarks/$(GPU_NAME)-$$name.json --markdown docs/benchmarks/$(GPU_NAME)-$$name.md \
+				--plot docs/benchmarks/$(GPU_NAME)-$$name.png || exit 1; \
 		done; \
 	else \
 		PYTHONPATH=src $(PYTHON) -m opforge_cli bench --device cpu --no-progress \

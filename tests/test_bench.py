@@ -326,3 +326,57 @@ def test_relu_outputs_near_zero_compare_where_signs_agree(relu_output):
     wrong = dataclasses.replace(case, ours=lambda x: torch.relu(x) * 1.5)  # a real error still fails
     with pytest.raises(AssertionError):
         harness._check_provider(wrong.ours, wrong, "bwd", wrong.eager)
+
+
+def test_bwd_reference_gets_the_providers_incoming_gradient():
+    # A bfloat16 op checked against a float64 reference: both must be handed
+    # the same incoming gradient (drawn in bfloat16), else the reference's
+    # gradient differs by the rounding of a float64 draw. The op's own
+    # backward returns the incoming gradient times 8 (exact in both dtypes),
+    # so with the same gradient the two agree exactly, to any tolerance.
+    seen = {}
+
+    class Scale8(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 8
+
+        @staticmethod
+        def backward(ctx, g):
+            seen[g.dtype] = g.detach().clone()
+            return g * 8
+
+    case = registry.BenchCase(op="scale8", label="N=4096", dtype=torch.bfloat16,
+                              make_inputs=lambda: [torch.randn(4096, dtype=torch.bfloat16)],
+                              ours=Scale8.apply, eager=lambda x: x * 8, grad_inputs=(0,),
+                              reference=lambda x: Scale8.apply(x.double()), atol=0.0, rtol=0.0)
+    harness._check_provider(case.ours, case, "bwd", case.reference)
+    assert torch.equal(seen[torch.float64], seen[torch.bfloat16].double())
+
+
+def test_grad_atol_applies_to_the_named_input_only():
+    # Input 1's gradient is a long sum (here: off by 1e-3, as rounding over
+    # many terms can be); input 0's must still meet the default tolerance.
+    def make():
+        return [torch.randn(64), torch.randn(())]
+
+    class SumOff(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, s):
+            ctx.save_for_backward(x, s)
+            return x * s
+
+        @staticmethod
+        def backward(ctx, g):
+            x, s = ctx.saved_tensors
+            return g * s, (g * x).sum() + 1e-3
+
+    base = registry.BenchCase(op="sum_off", label="N=64", dtype=torch.float32, make_inputs=make,
+                              ours=SumOff.apply, eager=lambda x, s: x * s, grad_inputs=(0, 1))
+    with pytest.raises(AssertionError, match="grad of input 1"):
+        harness._check_provider(base.ours, base, "bwd", base.eager)
+    loose = dataclasses.replace(base, grad_atol={1: 1e-2})
+    harness._check_provider(loose.ours, loose, "bwd", loose.eager)
+    wrong_x = dataclasses.replace(loose, grad_atol={0: 1e-2})  # input 0 loosened, input 1 still checked
+    with pytest.raises(AssertionError, match="grad of input 1"):
+        harness._check_provider(wrong_x.ours, wrong_x, "bwd", wrong_x.eager)

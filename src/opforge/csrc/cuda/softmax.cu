@@ -1068,9 +1068,9 @@ PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clust
   // 512 backward), else the split. Measured best on an H200 (bfloat16):
   // forward a block of 128 threads x 64 values on 8192 x 8192 (90% of the
   // floor), 512 x 64 on 4096 x 32768 (84%), a cluster of 16 x 256 x 64 on
-  // 512 x 262144 (62%; 8 x 512 x 64: 60%), 32 x 32 on 8192 x 1024; backward
+  // 512 x 262144 (67%; 8 x 512 x 64: 64%), 32 x 32 on 8192 x 1024; backward
   // 512 x 64 on 4096 x 32768 (99%), a cluster of 8 x 512 x 64 on 512 x
-  // 262144 (81%; 16 x 256 x 64: 74%), within 2% of the best elsewhere.
+  // 262144 (85%; 16 x 256 x 64: 81-85%), within 2% of the best elsewhere.
   if (packed && K > 512) {
     const int it = (K <= 2048 ? 32 : 64) / V;
     if (K <= int64_t{kMaxGroup} * V * it) {
