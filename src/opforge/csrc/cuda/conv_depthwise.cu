@@ -725,6 +725,15 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __res
 
 // ---------------------------------------------------------------- backward: grad x
 
+// grad_out where the fused ReLU passed its input (result > 0; a NaN result
+// passes nothing), else 0; without a fused ReLU (res null) grad_out itself.
+template <typename opmath_t, typename scalar_t, typename I>
+__device__ __forceinline__ opmath_t masked_grad(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                                                I off) {
+  const opmath_t v = static_cast<opmath_t>(g[off]);
+  return res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0)) ? opmath_t(0) : v;
+}
+
 // One thread per element of grad x (in x's layout order):
 // gx[n,c,ih,iw] = sum_j sum_{kh,kw} g'[n, c*m+j, oh, ow] * w[c*m+j, kh, kw]
 // where oh*S = ih + pad - kh, ow*S = iw + pad - kw, g' = g * (result > 0).
@@ -765,9 +774,7 @@ __global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __re
         for (IT j = 0; j < mult; ++j) {
           const IT k = c * mult + j;
           const IT off = kNhwc ? ((n * Ho + oh) * Wo + ow) * K + k : ((n * K + k) * Ho + oh) * Wo + ow;
-          opmath_t gv = static_cast<opmath_t>(g[off]);
-          if (res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0))) gv = opmath_t(0);
-          acc += gv * static_cast<opmath_t>(w[k * 9 + kh * 3 + kw]);
+          acc += masked_grad<opmath_t>(g, res, off) * static_cast<opmath_t>(w[k * 9 + kh * 3 + kw]);
         }
       }
     }
@@ -781,13 +788,6 @@ __global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __re
 // (zero outside the output image), computed a row at a time with one
 // division per row instead of the general kernel's per-element index
 // arithmetic, which ran 3-5x slower than cuDNN's whole backward.
-template <typename opmath_t, typename scalar_t>
-__device__ __forceinline__ opmath_t masked_grad(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
-                                                int64_t off) {
-  const opmath_t v = static_cast<opmath_t>(g[off]);
-  return res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0)) ? opmath_t(0) : v;
-}
-
 // NCHW: warps take the N * C * H rows of grad x in turn, lanes along iw
 // (coalesced); the 9 taps read grad_out and result through L1.
 template <typename scalar_t>
@@ -916,8 +916,7 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* _
     const int64_t goff = ((n * a.K + k) * a.Ho + oh) * a.Wo;
     const scalar_t* xp = x + (n * a.C + c) * a.H * a.W;
     for (int64_t ow = lane; ow < a.Wo; ow += 32) {
-      opmath_t gv = static_cast<opmath_t>(g[goff + ow]);
-      if (res != nullptr && !(static_cast<opmath_t>(res[goff + ow]) > opmath_t(0))) gv = opmath_t(0);
+      const opmath_t gv = masked_grad<opmath_t>(g, res, goff + ow);
 #pragma unroll
       for (int kh = 0; kh < 3; ++kh) {
         const int64_t ih = oh * S - a.pad + kh;
@@ -987,8 +986,7 @@ __global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc(const scalar_t
 #pragma unroll
         for (int kw = 0; kw < 3; ++kw) win[kh][kw] = at_col(kh, kw - a.pad);
       for (int64_t ow = 0; ow < a.Wo; ++ow) {
-        opmath_t gv = static_cast<opmath_t>(gr[ow * a.K]);
-        if (rr != nullptr && !(static_cast<opmath_t>(rr[ow * a.K]) > opmath_t(0))) gv = opmath_t(0);
+        const opmath_t gv = masked_grad<opmath_t>(gr, rr, ow * a.K);
 #pragma unroll
         for (int kh = 0; kh < 3; ++kh)
 #pragma unroll
@@ -1231,6 +1229,15 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
   }
 }
 
+// Rows per split of the backward kernels that split `rows` rows (over
+// col_blocks blocks of columns or channels): about 8 blocks per SM in all,
+// at least 8 rows per split (a warp or thread row each), at most 65535
+// splits (grid.y).
+int64_t rows_per_split_for(int64_t rows, int64_t col_blocks) {
+  const int64_t want = std::min<int64_t>(65535, (8LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks);
+  return std::max<int64_t>(8, (rows + want - 1) / want);
+}
+
 DwArgs base_args(const Geometry& g) {
   DwArgs a{};
   a.N = g.N; a.C = g.C; a.H = g.H; a.W = g.W; a.K = g.K; a.Ho = g.Ho; a.Wo = g.Wo;
@@ -1325,8 +1332,7 @@ void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor&
     if (g.stride == 1 && g.mult == 1) {
       if (nhwc) {
         const int64_t rows = g.N * g.H, col_blocks = (g.C + 31) / 32;
-        const int64_t want = std::min<int64_t>(65535, (8LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks);
-        const int64_t rows_per_split = std::max<int64_t>(8, (rows + want - 1) / want);
+        const int64_t rows_per_split = rows_per_split_for(rows, col_blocks);
         const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + rows_per_split - 1) / rows_per_split));
         dw_bwd_input_s1_nhwc<scalar_t><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, wp, gxp, a, rows_per_split);
       } else {
@@ -1359,13 +1365,9 @@ void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor
   auto stream = at::cuda::getCurrentCUDAStream();
   const DwArgs a = base_args(g);
   const int S = static_cast<int>(g.stride);
-  // Splits of the N * Ho output rows: about 8 blocks per SM in all, at
-  // least 8 rows per split (a warp or thread row each).
   const int64_t rows = g.N * g.Ho;
   const int64_t col_blocks = nhwc ? (g.K + 31) / 32 : g.K;
-  const int64_t want = (8LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks;
-  const int64_t rows_per_split =
-      std::max<int64_t>(8, (rows + std::min<int64_t>(want, 65535) - 1) / std::min<int64_t>(want, 65535));
+  const int64_t rows_per_split = rows_per_split_for(rows, col_blocks);
   const int splits = static_cast<int>(std::max<int64_t>(1, (rows + rows_per_split - 1) / rows_per_split));
   const auto op_dtype = at::toOpMathType(x.scalar_type());
   at::Tensor part = at::empty({g.K, splits, 10}, x.options().dtype(op_dtype));
