@@ -53,6 +53,18 @@ def _scale(c_per_group):
     return math.sqrt(9 * c_per_group)
 
 
+def _reduction_atol(dtype, terms):
+    """Absolute tolerance of a sum of `terms` O(1) products (weight and bias
+    gradients): the dtype's tolerance scaled like the other sums, plus the
+    rounding of the accumulation itself. Summed one after another in opmath
+    (unit roundoff u: float32 for every type but float64), the partial sums
+    grow like sqrt(k) and their roundings add up to about terms * u / sqrt(2)
+    (torch's own float32 CPU backward is off by 3-4e-4 at 7140 terms);
+    four times that."""
+    u = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    return TOLERANCES[dtype][0] * math.sqrt(terms) + 4 * terms * u
+
+
 def check(x, w, b, stride, padding, groups, relu):
     with poisoned(x.device):
         out = opforge.conv2d_3x3(x, w, b, stride, padding, groups, "relu" if relu else None)
@@ -332,6 +344,40 @@ def test_backward_matches_torch(dtype, kind, stride, channels_last, device):
     for ours, theirs, terms in ((x1.grad, x2.grad, 9 * k // groups), (w1.grad, w2.grad, 2 * 11 * 10), (b1.grad, b2.grad, 2 * 11 * 10)):
         assert ours.dtype == dtype and ours.shape == theirs.shape
         torch.testing.assert_close(ours.cpu().double(), theirs, atol=atol * math.sqrt(terms), rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padding", [0, 1])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("c", [12, 6])
+def test_depthwise_backward_stride1(dtype, padding, relu, channels_last, c, device):
+    """Stride-1 depthwise backward on planes spanning several tiles, both
+    paddings, with and without the fused ReLU. On CUDA grad x is the forward
+    kernel run on the masked grad_out with the flipped kernel (padding
+    2 - padding); NHWC with C = 6 (not a multiple of 4) takes the direct
+    row kernel instead."""
+    x = rand((3, c, 37, 70), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device)
+    x1, w1, b1 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    out = opforge.conv2d_3x3(x1, w1, b1, 1, padding, c, "relu" if relu else None)
+    g = rand(out.shape, dtype, device)
+    with poisoned(device):
+        out.backward(g)
+    x2, w2, b2 = (t.detach().double().cpu().requires_grad_() for t in (x, w, b))
+    g2 = g.double().cpu()
+    if relu:
+        g2 = g2 * (out.detach().cpu() > 0).double()
+    F.conv2d(x2, w2, b2, 1, padding, 1, c).backward(g2)
+    atol, rtol = TOLERANCES[dtype]
+    plane = out.shape[0] * out.shape[2] * out.shape[3]
+    torch.testing.assert_close(x1.grad.cpu().double(), x2.grad, atol=atol * 3, rtol=rtol)  # 9 terms
+    for ours, theirs in ((w1.grad, w2.grad), (b1.grad, b2.grad)):
+        torch.testing.assert_close(ours.cpu().double(), theirs, atol=_reduction_atol(dtype, plane), rtol=rtol)
+    assert all(t.grad.dtype == dtype for t in (x1, w1, b1))
+    assert x1.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def test_double_backward_raises(device):

@@ -203,8 +203,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
     if (mask[1]) gw.zero_();
     if (mask[2]) gb.zero_();
   } else {
-    if (mask[0]) opforge::conv::depthwise_backward_input_cuda(go, res, w, gx, g, nhwc);
-    if (mask[1] || mask[2]) opforge::conv::depthwise_backward_weight_cuda(go, res, x, gw, gb, g, nhwc);
+    at::Tensor gx_out = mask[0] ? gx : at::Tensor();
+    opforge::conv::depthwise_backward_cuda(go, res, x, w, gx_out, gw, gb, g, nhwc);
   }
   return {gx, mask[1] ? gw : empty(), mask[2] ? gb : empty()};
 }

@@ -10,8 +10,11 @@
 // Forward, NHWC: one block per (image, tile of 8x8 or 4x8 output pixels,
 // chunk of input channels); the tile is staged with 16-byte loads along C and
 // each thread computes V consecutive output channels of one pixel.
-// Backward: grad x is a gather (the flipped kernel, stride-aware), one thread
-// per input element with the ReLU mask applied as grad_out is read; grad
+// Backward: for stride 1 and multiplier 1, one pass masks grad_out by the
+// fused ReLU's result and grad x is the forward kernel run on it with the
+// kernel flipped (padding 2 - pad); otherwise grad x is a gather (the
+// flipped kernel, stride-aware) with the ReLU mask applied as grad_out is
+// read (row kernels for stride 1 when the forward's do not apply); grad
 // weight and grad bias are per-channel reductions: block reductions into a
 // (K, splits, 10) partial buffer, then one small kernel sums the splits in a
 // fixed order (deterministic, no atomics).
@@ -22,6 +25,7 @@
 
 #include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
+#include <opforge/cuda_loops.cuh>
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
 
@@ -387,7 +391,8 @@ __device__ __forceinline__ AlignedVec<scalar_t, 4> narrow4(const float (&v)[4], 
 // kernels are bound by instruction issue more than by memory latency, and
 // the second buffer cost resident blocks.)
 struct DwS1Args {
-  int64_t planes;  // N * C
+  int64_t planes;      // N * C
+  int64_t plane_step;  // between a tile's planes: 1, or C (planes of one channel)
   int C, H, W, Ho, Wo, mult;
   int P, ngw, R, runs, BH, bands, PB, SR, LB, lpr_shift;
   bool relu, store_vec;
@@ -411,7 +416,12 @@ __device__ __forceinline__ DwS1Tile dw_s1_tile(const DwS1Args& a, int64_t t) {
 template <typename scalar_t, int V, int PAD>
 __device__ __forceinline__ void load_window_row(const scalar_t* s, float (&win)[V + 2]) {
   const auto v = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(s);
-  if constexpr (PAD == 1) {
+  if constexpr (PAD == 2) {  // the backward's grad x of a padding-0 forward
+    win[0] = static_cast<float>(s[-2]);
+    win[1] = static_cast<float>(s[-1]);
+#pragma unroll
+    for (int e = 0; e < V; ++e) win[e + 2] = static_cast<float>(v.val[e]);
+  } else if constexpr (PAD == 1) {
     win[0] = static_cast<float>(s[-1]);
 #pragma unroll
     for (int e = 0; e < V; ++e) win[e + 1] = static_cast<float>(v.val[e]);
@@ -446,7 +456,7 @@ __device__ __forceinline__ void dw_s1_stage(const scalar_t* __restrict__ x, scal
       const int ih = tt.oh0 - PAD + rr;
       const bool inside = ih >= 0 && ih < a.H;
       scalar_t* dst = tile + (p * a.SR + rr) * a.P;
-      const scalar_t* src = x + ((tt.plane0 + p) * a.H + (inside ? ih : 0)) * static_cast<int64_t>(a.W);
+      const scalar_t* src = x + ((tt.plane0 + p * a.plane_step) * a.H + (inside ? ih : 0)) * static_cast<int64_t>(a.W);
       for (int j = lane; j < chunks; j += lpr) {
         if (inside && j >= 1 && j <= full) {
           copy_async<16>(dst + j * E, src + (j - 1) * E);
@@ -468,7 +478,7 @@ __device__ __forceinline__ void dw_s1_stage(const scalar_t* __restrict__ x, scal
       for (int j = lane; j < a.P / E; j += lpr) zero_bytes(dst + j * E, 16);
       continue;
     }
-    const scalar_t* src = x + ((tt.plane0 + p) * a.H + ih) * static_cast<int64_t>(a.W);
+    const scalar_t* src = x + ((tt.plane0 + p * a.plane_step) * a.H + ih) * static_cast<int64_t>(a.W);
     scalar_t* d = dst + E;
     switch (a.LB) {
       case 16:
@@ -1024,6 +1034,214 @@ __global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc(const scalar_t
   }
 }
 
+// Stride 1, multiplier 1, on the forward's tiles and stage code: a block
+// stays on one channel (NCHW) or chunk of channels (NHWC) and walks the
+// tiles split, split + splits, ... of it; each tile's input window (halo
+// included) is staged with cp.async as in the forward, grad_out is read once
+// from global memory (masked by result on the way when given), and a thread
+// item slides down its rows with the 3 x 3 input window and the last three
+// grad_out rows in registers, adding into the 9 tap sums and the bias sum it
+// keeps across tiles. One block reduction at the end. (The per-row kernels
+// above index every tap with 64-bit arithmetic and bounds tests: at N64
+// C128 112x112 they ran at 4-6% of the bandwidth floor.)
+
+// grad_out at V consecutive places, masked by result (when given) as
+// masked_grad does; zeros past `valid` (scalar loads then).
+template <typename scalar_t, int V>
+__device__ __forceinline__ void load_masked_grad(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                                                 int64_t off, bool vec, int valid, float (&out)[V]) {
+  if (vec) {
+    const auto gv = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(g + off);
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[e] = static_cast<float>(gv.val[e]);
+    if (res != nullptr) {
+      const auto rv = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(res + off);
+#pragma unroll
+      for (int e = 0; e < V; ++e) out[e] = static_cast<float>(rv.val[e]) > 0.f ? out[e] : 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[e] = e < valid ? masked_grad<float>(g, res, off + e) : 0.f;
+  }
+}
+
+// 9 taps + bias of one output row's grad_out gq (V places) against the input
+// row window xr: acc[kh * 3 + kw] += sum_e gq[e] * xr[e + kw].
+template <int V>
+__device__ __forceinline__ void add_row_taps(const float (&gq)[V], const float (&xr)[V + 2], int kh, float (&acc)[10]) {
+#pragma unroll
+  for (int kw = 0; kw < 3; ++kw)
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[kh * 3 + kw] = fmaf(gq[e], xr[e + kw], acc[kh * 3 + kw]);
+}
+
+// NCHW: block (channel c, split); tiles are (PB planes of channel c, band).
+template <typename scalar_t, int V, int PAD>
+__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw_s1(const scalar_t* __restrict__ x,
+                                                                  const scalar_t* __restrict__ g,
+                                                                  const scalar_t* __restrict__ res,
+                                                                  float* __restrict__ part, DwS1Args a, int splits,
+                                                                  bool vec_g) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  scalar_t* stage = reinterpret_cast<scalar_t*>(smem_raw);
+  constexpr int E = 16 / static_cast<int>(sizeof(scalar_t));
+  const int c = blockIdx.x, split = blockIdx.y;
+  const int64_t N = a.planes / a.C;
+  const int64_t tiles = (N + a.PB - 1) / a.PB * a.bands;
+  float acc[10];
+#pragma unroll
+  for (int t = 0; t < 10; ++t) acc[t] = 0.f;
+  for (int64_t j = split; j < tiles; j += splits) {
+    const int band = static_cast<int>(j % a.bands);
+    const int64_t n0 = (j / a.bands) * a.PB;
+    DwS1Tile tt;
+    tt.plane0 = n0 * a.C + c;
+    tt.np = static_cast<int>(N - n0 < a.PB ? N - n0 : a.PB);
+    tt.oh0 = band * a.BH;
+    tt.bh = min(a.BH, a.Ho - tt.oh0);
+    dw_s1_stage<scalar_t, PAD>(x, stage, a, tt);
+    copy_async_wait_all();
+    __syncthreads();
+    const int items = tt.np * a.runs * a.ngw;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+      const int gi = it % a.ngw;
+      const int t = it / a.ngw;
+      const int run = t % a.runs, p = t / a.runs;
+      const int r0 = run * a.R;
+      const int nr = min(a.R, tt.bh - r0);
+      if (nr <= 0) continue;
+      const int ow = gi * V;
+      const int valid = min(V, a.Wo - ow);
+      const scalar_t* sp = stage + (p * a.SR + r0) * a.P + E + ow;
+      const int64_t goff = ((n0 + p) * a.C + c) * static_cast<int64_t>(a.Ho) * a.Wo +
+                           static_cast<int64_t>(tt.oh0 + r0) * a.Wo + ow;
+      // Staged row ri meets output rows ri - kh (kh = 0, 1, 2): gq[kh].
+      float gq[3][V], xr[V + 2];
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+        for (int e = 0; e < V; ++e) gq[kh][e] = 0.f;
+      for (int ri = 0; ri < nr + 2; ++ri) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          gq[2][e] = gq[1][e];
+          gq[1][e] = gq[0][e];
+          gq[0][e] = 0.f;
+        }
+        if (ri < nr) load_masked_grad<scalar_t, V>(g, res, goff + static_cast<int64_t>(ri) * a.Wo, vec_g, valid, gq[0]);
+        load_window_row<scalar_t, V, PAD>(sp + ri * a.P, xr);
+#pragma unroll
+        for (int kh = 0; kh < 3; ++kh) add_row_taps<V>(gq[kh], xr, kh, acc);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[9] += gq[0][e];
+      }
+    }
+    __syncthreads();  // the next tile's stage overwrites this one
+  }
+  // Block sum in a fixed order: warps, then the warps' sums.
+  __shared__ float red[kThreads / 32][10];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int t = 0; t < 10; ++t) {
+    const float v = warp_sum(acc[t]);
+    if (lane == 0) red[warp][t] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < 10) {
+    float sum = 0.f;
+    for (int q = 0; q < static_cast<int>(blockDim.x / 32); ++q) sum += red[q][threadIdx.x];
+    part[(static_cast<int64_t>(c) * splits + split) * 10 + threadIdx.x] = sum;
+  }
+}
+
+// NHWC: block (chunk of CB channels, split); tiles are the forward's
+// (image, BH x TW output pixels) of that chunk. A thread item is 4 channels
+// of one output column, as in the forward.
+template <typename scalar_t, int PAD, int LB>
+__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nhwc_s1(const scalar_t* __restrict__ x,
+                                                                  const scalar_t* __restrict__ g,
+                                                                  const scalar_t* __restrict__ res,
+                                                                  float* __restrict__ part, DwS1NhwcArgs a,
+                                                                  int splits) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  scalar_t* tile = reinterpret_cast<scalar_t*>(smem_raw);
+  constexpr int V = 4;
+  const int chunk = blockIdx.x, split = blockIdx.y;
+  const int cin0 = chunk * a.CB;
+  const int cvn = min(a.CB, a.C - cin0) / V;
+  const int cv = static_cast<int>(threadIdx.x) % cvn, q = static_cast<int>(threadIdx.x) / cvn;
+  const int64_t spatial = a.N * a.tiles_h * a.tiles_w;
+  const int rstep = (a.TW + 2) * a.CB;
+  float acc[10][V];
+#pragma unroll
+  for (int t = 0; t < 10; ++t)
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[t][e] = 0.f;
+  for (int64_t sp = split; sp < spatial; sp += splits) {
+    const DwS1NhwcTile tt = dw_s1_nhwc_tile(a, sp * a.chunks + chunk);
+    dw_s1_nhwc_stage<scalar_t, PAD, LB>(x, tile, a, tt);
+    copy_async_wait_all();
+    __syncthreads();
+    if (q < tt.bw) {
+      const scalar_t* s = tile + q * a.CB + cv * V;  // staged row 0, column q
+      const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
+      const int64_t goff = ((tt.n * a.Ho + tt.oh0) * a.Wo + tt.ow0 + q) * static_cast<int64_t>(a.C) + cin0 + cv * V;
+      float gq[3][V];
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+        for (int e = 0; e < V; ++e) gq[kh][e] = 0.f;
+      for (int ri = 0; ri < tt.bh + 2; ++ri) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          gq[2][e] = gq[1][e];
+          gq[1][e] = gq[0][e];
+          gq[0][e] = 0.f;
+        }
+        if (ri < tt.bh) {
+          const int64_t off = goff + ri * ostep;
+          widen4(g + off, gq[0]);
+          if (res != nullptr) {
+            float rv[V];
+            widen4(res + off, rv);
+#pragma unroll
+            for (int e = 0; e < V; ++e) gq[0][e] = rv[e] > 0.f ? gq[0][e] : 0.f;
+          }
+        }
+        float xr[3][V];
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) widen4(s + ri * rstep + kw * a.CB, xr[kw]);
+#pragma unroll
+        for (int kh = 0; kh < 3; ++kh)
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw)
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc[kh * 3 + kw][e] = fmaf(gq[kh][e], xr[kw][e], acc[kh * 3 + kw][e]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) acc[9][e] += gq[0][e];
+      }
+    }
+    __syncthreads();  // the next tile's stage overwrites this one
+  }
+  // Sum over the TW columns of each channel in a fixed order; the stage's
+  // shared memory holds the block's 40 sums per thread (the host sizes it).
+  float* red = reinterpret_cast<float*>(smem_raw);
+  if (q < a.TW) {
+#pragma unroll
+    for (int t = 0; t < 10; ++t)
+#pragma unroll
+      for (int e = 0; e < V; ++e) red[(threadIdx.x * 10 + t) * V + e] = acc[t][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < cvn * V * 10; i += blockDim.x) {
+    const int t = i % 10, cc = i / 10;  // channel cin0 + cc
+    const int v = cc / V, e = cc % V;
+    float sum = 0.f;
+    for (int qq = 0; qq < a.TW; ++qq) sum += red[((qq * cvn + v) * 10 + t) * V + e];
+    part[(static_cast<int64_t>(cin0 + cc) * splits + split) * 10 + t] = sum;
+  }
+}
+
 template <typename scalar_t>
 __global__ void dw_bwd_weight_finish(const at::opmath_type<scalar_t>* __restrict__ part, scalar_t* __restrict__ gw,
                                      scalar_t* __restrict__ gb, int64_t K, int splits) {
@@ -1079,152 +1297,205 @@ constexpr size_t kStageBudget = 48 * 1024;  // shared bytes per block of the str
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
-// The stride-1 NCHW kernel, when the shape suits it (float32/float16/bfloat16
-// and three staged rows of one plane fit the budget). Returns false otherwise.
+// Tiling of the stride-1 NCHW kernels (forward, and the backward's weight
+// gradient on the same stage), when the shape suits them: float32/float16/
+// bfloat16 and three staged rows of one plane within the budget. V: output
+// columns per thread item. `per_channel`: the planes of a tile are those of
+// one channel (plane_step C, the weight gradient's), else consecutive ones.
+struct NchwS1Plan {
+  DwS1Args a;
+  int V, threads;
+};
+
+template <typename scalar_t>
+bool plan_nchw_s1(const Geometry& g, const scalar_t* xp, const scalar_t* op, bool per_channel, NchwS1Plan& plan) {
+  constexpr int s = static_cast<int>(sizeof(scalar_t));
+  if (s == 8 || g.stride != 1 || g.H > INT32_MAX / 4 || g.W > INT32_MAX / 4 || g.C > INT32_MAX || g.mult > INT32_MAX)
+    return false;
+  constexpr int E = 16 / s;
+  const int W = static_cast<int>(g.W), Wo = static_cast<int>(g.Wo), Ho = static_cast<int>(g.Ho);
+  // Output columns per thread: 16 bytes, or 8 when that divides Wo and 16 does not.
+  int V = E;
+  if (Wo % V != 0 && Wo % (V / 2) == 0) V /= 2;
+  DwS1Args a{};
+  a.planes = g.N * g.C;
+  a.plane_step = per_channel ? g.C : 1;
+  a.C = static_cast<int>(g.C);
+  a.H = static_cast<int>(g.H);
+  a.W = W;
+  a.Ho = Ho;
+  a.Wo = Wo;
+  a.mult = static_cast<int>(g.mult);
+  a.ngw = (Wo + V - 1) / V;
+  a.P = E + round_up(std::max(W, a.ngw * V + 2), E);
+  const size_t row_bytes = static_cast<size_t>(a.P) * s;
+  const int max_rows = static_cast<int>(kStageBudget / row_bytes) - 2;  // output rows per block
+  if (max_rows < 1) return false;
+  a.LB = s;
+  for (int lb : {16, 8, 4}) {
+    if (lb >= s && (static_cast<int64_t>(W) * s) % lb == 0 && opforge::cuda::is_aligned(xp, lb)) {
+      a.LB = lb;
+      break;
+    }
+  }
+  a.store_vec = Wo % V == 0 && opforge::cuda::is_aligned(op, static_cast<size_t>(V) * s);
+  // Bands of output rows (balanced), runs of up to 12 rows per thread (on
+  // the H200, bfloat16 N64 C128 112x112: 12 rows 0.127 ms, 8 rows 0.141,
+  // 16 rows 0.135; within noise of the best on the other shapes measured).
+  a.bands = (Ho + max_rows - 1) / max_rows;
+  a.BH = (Ho + a.bands - 1) / a.bands;
+  a.bands = (Ho + a.BH - 1) / a.BH;
+  a.runs = (a.BH + 11) / 12;
+  a.R = (a.BH + a.runs - 1) / a.runs;
+  a.runs = (a.BH + a.R - 1) / a.R;
+  a.SR = a.BH + 2;
+  const int per_plane = a.runs * a.ngw;  // thread items per plane (band)
+  a.PB = 1;
+  if (a.bands == 1) {
+    // Several small planes per block: up to kThreads items and the budget,
+    // while keeping at least 4 tiles per SM (and, of one channel's planes,
+    // at most N).
+    const int64_t by_threads = std::max(1, kThreads / per_plane);
+    const int64_t by_smem = static_cast<int64_t>(kStageBudget / (row_bytes * a.SR));
+    const int64_t by_blocks = std::max<int64_t>(1, a.planes / (4LL * opforge::cuda::sm_count()));
+    a.PB = static_cast<int>(std::max<int64_t>(1, std::min({by_threads, by_smem, by_blocks, per_channel ? g.N : a.planes})));
+  }
+  const int vec_per_row = W / (a.LB / s);
+  // Lanes per staged row: enough for its copies (with 16-byte copies, for
+  // all of its chunks, zeros included), at most a warp.
+  const int per_row = a.LB == 16 ? a.P / E : vec_per_row;
+  a.lpr_shift = 0;
+  while ((1 << a.lpr_shift) < std::min(per_row, 32)) ++a.lpr_shift;
+  plan.a = a;
+  plan.V = V;
+  plan.threads = std::min(kThreads, round_up(a.PB * per_plane, 32));
+  return true;
+}
+
+template <typename scalar_t>
+size_t nchw_s1_stage_bytes(const DwS1Args& a) {
+  return static_cast<size_t>(a.P) * sizeof(scalar_t) * a.SR * a.PB;
+}
+
+// Calls f(std::integral_constant<int, V>, std::integral_constant<int, PAD>)
+// for the plan's V (16 or 8 bytes of columns) and padding 0, 1 or 2.
+template <typename scalar_t, typename F>
+void with_nchw_s1_consts(int V, int64_t pad, F&& f) {
+  constexpr int E = 16 / static_cast<int>(sizeof(scalar_t));
+  auto with_pad = [&](auto v) {
+    if (pad == 2) f(v, std::integral_constant<int, 2>{});
+    else if (pad == 1) f(v, std::integral_constant<int, 1>{});
+    else f(v, std::integral_constant<int, 0>{});
+  };
+  if (V == E) with_pad(std::integral_constant<int, E>{});
+  else with_pad(std::integral_constant<int, E / 2>{});
+}
+
+// The stride-1 NCHW forward, when plan_nchw_s1 accepts the shape.
 template <typename scalar_t>
 bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
                          bool relu, cudaStream_t stream) {
-  constexpr int s = static_cast<int>(sizeof(scalar_t));
-  if constexpr (s == 8) {
+  if constexpr (sizeof(scalar_t) == 8) {
     return false;
   } else {
-    if (g.stride != 1 || g.H > INT32_MAX / 4 || g.W > INT32_MAX / 4 || g.C > INT32_MAX || g.mult > INT32_MAX)
-      return false;
-    constexpr int E = 16 / s;
-    const int W = static_cast<int>(g.W), Wo = static_cast<int>(g.Wo), Ho = static_cast<int>(g.Ho);
-    // Output columns per thread: 16 bytes, or 8 when that divides Wo and 16 does not.
-    int V = E;
-    if (Wo % V != 0 && Wo % (V / 2) == 0) V /= 2;
-    DwS1Args a{};
-    a.planes = g.N * g.C;
-    a.C = static_cast<int>(g.C);
-    a.H = static_cast<int>(g.H);
-    a.W = W;
-    a.Ho = Ho;
-    a.Wo = Wo;
-    a.mult = static_cast<int>(g.mult);
-    a.relu = relu;
-    a.ngw = (Wo + V - 1) / V;
-    a.P = E + round_up(std::max(W, a.ngw * V + 2), E);
-    const size_t row_bytes = static_cast<size_t>(a.P) * s;
-    const int max_rows = static_cast<int>(kStageBudget / row_bytes) - 2;  // output rows per block
-    if (max_rows < 1) return false;
-    a.LB = s;
-    for (int lb : {16, 8, 4}) {
-      if (lb >= s && (static_cast<int64_t>(W) * s) % lb == 0 && opforge::cuda::is_aligned(xp, lb)) {
-        a.LB = lb;
-        break;
-      }
-    }
-    a.store_vec = Wo % V == 0 && opforge::cuda::is_aligned(op, static_cast<size_t>(V) * s);
-    // Bands of output rows (balanced), runs of up to 12 rows per thread (on
-    // the H200, bfloat16 N64 C128 112x112: 12 rows 0.127 ms, 8 rows 0.141,
-    // 16 rows 0.135; within noise of the best on the other shapes measured).
-    a.bands = (Ho + max_rows - 1) / max_rows;
-    a.BH = (Ho + a.bands - 1) / a.bands;
-    a.bands = (Ho + a.BH - 1) / a.BH;
-    a.runs = (a.BH + 11) / 12;
-    a.R = (a.BH + a.runs - 1) / a.runs;
-    a.runs = (a.BH + a.R - 1) / a.R;
-    a.SR = a.BH + 2;
-    const int per_plane = a.runs * a.ngw;  // thread items per plane (band)
-    a.PB = 1;
-    if (a.bands == 1) {
-      // Several small planes per block: up to kThreads items and the budget,
-      // while keeping at least 4 blocks per SM.
-      const int64_t by_threads = std::max(1, kThreads / per_plane);
-      const int64_t by_smem = static_cast<int64_t>(kStageBudget / (row_bytes * a.SR));
-      const int64_t by_blocks = std::max<int64_t>(1, a.planes / (4LL * opforge::cuda::sm_count()));
-      a.PB = static_cast<int>(std::max<int64_t>(1, std::min({by_threads, by_smem, by_blocks})));
-    }
-    const int vec_per_row = W / (a.LB / s);
-    // Lanes per staged row: enough for its copies (with 16-byte copies, for
-    // all of its chunks, zeros included), at most a warp.
-    const int per_row = a.LB == 16 ? a.P / E : vec_per_row;
-    a.lpr_shift = 0;
-    while ((1 << a.lpr_shift) < std::min(per_row, 32)) ++a.lpr_shift;
-    const int threads = std::min(kThreads, round_up(a.PB * per_plane, 32));
-    const int64_t blocks = (a.planes + a.PB - 1) / a.PB * a.bands;
+    NchwS1Plan plan;
+    if (!plan_nchw_s1<scalar_t>(g, xp, op, false, plan)) return false;
+    plan.a.relu = relu;
+    const int64_t blocks = (plan.a.planes + plan.a.PB - 1) / plan.a.PB * plan.a.bands;
     TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
-    const size_t smem = row_bytes * a.SR * a.PB;
-    auto launch = [&](auto kernel) {
+    const size_t smem = nchw_s1_stage_bytes<scalar_t>(plan.a);
+    with_nchw_s1_consts<scalar_t>(plan.V, g.pad, [&](auto v, auto pad) {
+      auto kernel = dw_fwd_nchw_s1<scalar_t, decltype(v)::value, decltype(pad)::value>;
       set_smem(kernel, smem);
-      kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(xp, wp, bp, op, a);
+      kernel<<<static_cast<unsigned>(blocks), plan.threads, smem, stream>>>(xp, wp, bp, op, plan.a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (V == E) {
-      if (g.pad == 1) launch(dw_fwd_nchw_s1<scalar_t, E, 1>);
-      else launch(dw_fwd_nchw_s1<scalar_t, E, 0>);
-    } else {
-      if (g.pad == 1) launch(dw_fwd_nchw_s1<scalar_t, E / 2, 1>);
-      else launch(dw_fwd_nchw_s1<scalar_t, E / 2, 0>);
-    }
+    });
     return true;
   }
 }
 
-// The stride-1 NHWC kernel: float32/float16/bfloat16, multiplier 1, C % 4 == 0,
-// x aligned for at least 4-byte copies and out for 4-channel stores.
+// Tiling of the stride-1 NHWC kernels: multiplier 1, C % 4 == 0, x aligned
+// for at least 4-byte copies and out for 4-channel accesses.
+template <typename scalar_t>
+bool plan_nhwc_s1(const Geometry& g, const scalar_t* xp, const scalar_t* op, DwS1NhwcArgs& a, int& threads) {
+  constexpr int s = static_cast<int>(sizeof(scalar_t));
+  if (s == 8 || g.stride != 1 || g.mult != 1 || g.C % 4 != 0 || g.C > INT32_MAX / 2 || g.H > INT32_MAX / 4 ||
+      g.W > INT32_MAX / 4 || !opforge::cuda::is_aligned(op, 4 * s))
+    return false;
+  a = DwS1NhwcArgs{};
+  a.N = g.N;
+  a.C = static_cast<int>(g.C);
+  a.H = static_cast<int>(g.H);
+  a.W = static_cast<int>(g.W);
+  a.Ho = static_cast<int>(g.Ho);
+  a.Wo = static_cast<int>(g.Wo);
+  a.CB = std::min(32, a.C);
+  a.LB = 0;
+  for (int lb : {16, 8, 4}) {
+    if ((a.C * s) % lb == 0 && (a.CB * s) % lb == 0 && opforge::cuda::is_aligned(xp, lb)) {
+      a.LB = lb;
+      break;
+    }
+  }
+  if (a.LB == 0) return false;
+  a.chunks = (a.C + a.CB - 1) / a.CB;
+  // Tiles of up to 16 x 16 output pixels, balanced over the image.
+  a.tiles_w = (a.Wo + 15) / 16;
+  a.TW = (a.Wo + a.tiles_w - 1) / a.tiles_w;
+  a.tiles_w = (a.Wo + a.TW - 1) / a.TW;
+  // Tile rows: 32 for the half types (their tile is half the bytes; on the
+  // H200 bfloat16 112x112 0.164 ms vs 0.170 with 16 rows, float32 0.251 vs
+  // 0.237) and 16 for float32, halved down to 4 while that leaves fewer than
+  // 3 blocks per SM (small problems: more, shorter blocks in flight beat
+  // fewer halo rows).
+  int rows = s == 2 ? 32 : 16;
+  const int64_t want = 3LL * opforge::cuda::sm_count();
+  while (rows > 4 && g.N * ((a.Ho + rows - 1) / rows) * a.tiles_w * a.chunks < want) rows /= 2;
+  a.tiles_h = (a.Ho + rows - 1) / rows;
+  a.BH = (a.Ho + a.tiles_h - 1) / a.tiles_h;
+  a.tiles_h = (a.Ho + a.BH - 1) / a.BH;
+  threads = round_up(a.CB / 4 * a.TW, 32);
+  return true;
+}
+
+template <typename scalar_t>
+size_t nhwc_s1_stage_bytes(const DwS1NhwcArgs& a) {
+  return static_cast<size_t>(a.BH + 2) * (a.TW + 2) * a.CB * sizeof(scalar_t);
+}
+
+// Calls f(std::integral_constant<int, PAD>, std::integral_constant<int, LB>).
+template <typename F>
+void with_nhwc_s1_consts(int64_t pad, int LB, F&& f) {
+  auto with_lb = [&](auto pd) {
+    if (LB == 16) f(pd, std::integral_constant<int, 16>{});
+    else if (LB == 8) f(pd, std::integral_constant<int, 8>{});
+    else f(pd, std::integral_constant<int, 4>{});
+  };
+  if (pad == 2) with_lb(std::integral_constant<int, 2>{});
+  else if (pad == 1) with_lb(std::integral_constant<int, 1>{});
+  else with_lb(std::integral_constant<int, 0>{});
+}
+
+// The stride-1 NHWC forward, when plan_nhwc_s1 accepts the shape.
 template <typename scalar_t>
 bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
                          bool relu, cudaStream_t stream) {
-  constexpr int s = static_cast<int>(sizeof(scalar_t));
-  if constexpr (s == 8) {
+  if constexpr (sizeof(scalar_t) == 8) {
     return false;
   } else {
-    if (g.stride != 1 || g.mult != 1 || g.C % 4 != 0 || g.C > INT32_MAX / 2 || g.H > INT32_MAX / 4 ||
-        g.W > INT32_MAX / 4 || !opforge::cuda::is_aligned(op, 4 * s))
-      return false;
-    DwS1NhwcArgs a{};
-    a.N = g.N;
-    a.C = static_cast<int>(g.C);
-    a.H = static_cast<int>(g.H);
-    a.W = static_cast<int>(g.W);
-    a.Ho = static_cast<int>(g.Ho);
-    a.Wo = static_cast<int>(g.Wo);
+    DwS1NhwcArgs a;
+    int threads;
+    if (!plan_nhwc_s1<scalar_t>(g, xp, op, a, threads)) return false;
     a.relu = relu;
-    a.CB = std::min(32, a.C);
-    a.LB = 0;
-    for (int lb : {16, 8, 4}) {
-      if ((a.C * s) % lb == 0 && (a.CB * s) % lb == 0 && opforge::cuda::is_aligned(xp, lb)) {
-        a.LB = lb;
-        break;
-      }
-    }
-    if (a.LB == 0) return false;
-    a.chunks = (a.C + a.CB - 1) / a.CB;
-    // Tiles of up to 16 x 16 output pixels, balanced over the image.
-    a.tiles_w = (a.Wo + 15) / 16;
-    a.TW = (a.Wo + a.tiles_w - 1) / a.tiles_w;
-    a.tiles_w = (a.Wo + a.TW - 1) / a.TW;
-    // Tile rows: 32 for the half types (their tile is half the bytes; on the
-    // H200 bfloat16 112x112 0.164 ms vs 0.170 with 16 rows, float32 0.251 vs
-    // 0.237) and 16 for float32, halved down to 4 while that leaves fewer than
-    // 3 blocks per SM (small problems: more, shorter blocks in flight beat
-    // fewer halo rows).
-    int rows = s == 2 ? 32 : 16;
-    const int64_t want = 3LL * opforge::cuda::sm_count();
-    while (rows > 4 && g.N * ((a.Ho + rows - 1) / rows) * a.tiles_w * a.chunks < want) rows /= 2;
-    a.tiles_h = (a.Ho + rows - 1) / rows;
-    a.BH = (a.Ho + a.tiles_h - 1) / a.tiles_h;
-    a.tiles_h = (a.Ho + a.BH - 1) / a.BH;
     const int64_t blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
     TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
-    const int threads = round_up(a.CB / 4 * a.TW, 32);
-    const size_t smem = static_cast<size_t>(a.BH + 2) * (a.TW + 2) * a.CB * s;
-    auto launch = [&](auto kernel) {
+    const size_t smem = nhwc_s1_stage_bytes<scalar_t>(a);
+    with_nhwc_s1_consts(g.pad, a.LB, [&](auto pad, auto lb) {
+      auto kernel = dw_fwd_nhwc_s1<scalar_t, decltype(pad)::value, decltype(lb)::value>;
       set_smem(kernel, smem);
       kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(xp, wp, bp, op, a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    auto with_pad = [&](auto lb) {
-      constexpr int LB = decltype(lb)::value;
-      if (g.pad == 1) launch(dw_fwd_nhwc_s1<scalar_t, 1, LB>);
-      else launch(dw_fwd_nhwc_s1<scalar_t, 0, LB>);
-    };
-    if (a.LB == 16) with_pad(std::integral_constant<int, 16>{});
-    else if (a.LB == 8) with_pad(std::integral_constant<int, 8>{});
-    else with_pad(std::integral_constant<int, 4>{});
+    });
     return true;
   }
 }
@@ -1237,6 +1508,37 @@ int64_t rows_per_split_for(int64_t rows, int64_t col_blocks) {
   const int64_t want = std::min<int64_t>(65535, (8LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks);
   return std::max<int64_t>(8, (rows + want - 1) / want);
 }
+
+// grad x of a stride-1, multiplier-1 convolution is the stride-1 depthwise
+// convolution of the masked grad_out (N, C, Ho, Wo) with the kernel flipped
+// and padding 2 - pad, whose output is (N, C, H, W): the forward's tiled
+// kernels (staged with cp.async, at 70-90% of the H200's bandwidth) do it.
+// False where they do not apply (float64, NHWC with C % 4 != 0, alignment).
+template <typename scalar_t>
+bool try_backward_input_as_forward(const scalar_t* gm, const scalar_t* wflip, scalar_t* gx, const Geometry& g,
+                                   bool nhwc, cudaStream_t stream) {
+  Geometry t = g;
+  t.H = g.Ho;
+  t.W = g.Wo;
+  t.Ho = g.H;
+  t.Wo = g.W;
+  t.pad = 2 - g.pad;
+  return nhwc ? try_forward_nhwc_s1<scalar_t>(gm, wflip, nullptr, gx, t, false, stream)
+              : try_forward_nchw_s1<scalar_t>(gm, wflip, nullptr, gx, t, false, stream);
+}
+
+bool input_grad_as_forward_applies(const Geometry& g, bool nhwc, at::ScalarType dtype) {
+  return g.stride == 1 && g.mult == 1 && dtype != at::kDouble && (!nhwc || g.C % 4 == 0);
+}
+
+// g' = grad_out where the fused ReLU passed its input (result > 0; a NaN
+// result passes nothing, as masked_grad), else 0.
+struct PassedGrad {
+  template <typename T>
+  __device__ T operator()(T grad, T result) const {
+    return result > T(0) ? grad : T(0);
+  }
+};
 
 DwArgs base_args(const Geometry& g) {
   DwArgs a{};
@@ -1318,6 +1620,8 @@ void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::
   });
 }
 
+namespace {
+
 void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& w,
                                    at::Tensor& grad_x, const Geometry& g, bool nhwc) {
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1360,22 +1664,89 @@ void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor&
   });
 }
 
+// Splits of the staged weight-gradient kernels: as many blocks as fit on
+// the GPU at once (their blocks walk tiles), spread over `groups` channels
+// or chunks, at most one per tile.
+template <typename Kernel>
+int resident_splits(Kernel kernel, int threads, size_t smem, int64_t groups, int64_t tiles) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int64_t want = static_cast<int64_t>(std::max(1, per_sm)) * opforge::cuda::sm_count() / groups;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, tiles, 65535})));
+}
+
+// The staged stride-1 weight-gradient kernels (multiplier 1, not float64,
+// shapes the forward's tiling accepts), with the splits' sums finished into
+// gw / gb. False where they do not apply.
+template <typename scalar_t>
+bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar_t* xp, scalar_t* gwp, scalar_t* gbp,
+                            const Geometry& g, bool nhwc, const at::TensorOptions& opts, cudaStream_t stream) {
+  constexpr int s = static_cast<int>(sizeof(scalar_t));
+  if constexpr (s == 8) {
+    return false;
+  } else {
+    if (g.mult != 1) return false;
+    at::Tensor part;
+    int splits = 1;
+    if (nhwc) {
+      DwS1NhwcArgs a;
+      int threads;
+      if (!plan_nhwc_s1<scalar_t>(g, xp, gp, a, threads) || (rp != nullptr && !opforge::cuda::is_aligned(rp, 4 * s)))
+        return false;
+      const size_t smem = std::max(nhwc_s1_stage_bytes<scalar_t>(a), static_cast<size_t>(threads) * 10 * 4 * sizeof(float));
+      with_nhwc_s1_consts(g.pad, a.LB, [&](auto pad, auto lb) {
+        auto kernel = dw_bwd_weight_nhwc_s1<scalar_t, decltype(pad)::value, decltype(lb)::value>;
+        set_smem(kernel, smem);
+        splits = resident_splits(kernel, threads, smem, a.chunks, g.N * a.tiles_h * a.tiles_w);
+        part = at::empty({g.C, splits, 10}, opts.dtype(at::kFloat));
+        kernel<<<dim3(static_cast<unsigned>(a.chunks), static_cast<unsigned>(splits)), threads, smem, stream>>>(
+            xp, gp, rp, part.mutable_data_ptr<float>(), a, splits);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    } else {
+      NchwS1Plan plan;
+      if (!plan_nchw_s1<scalar_t>(g, xp, gp, true, plan)) return false;
+      const size_t vb = static_cast<size_t>(plan.V) * s;
+      const bool vec_g = g.Wo % plan.V == 0 && opforge::cuda::is_aligned(gp, vb) &&
+                         (rp == nullptr || opforge::cuda::is_aligned(rp, vb));
+      const size_t smem = nchw_s1_stage_bytes<scalar_t>(plan.a);
+      const int64_t tiles = (g.N + plan.a.PB - 1) / plan.a.PB * plan.a.bands;
+      with_nchw_s1_consts<scalar_t>(plan.V, g.pad, [&](auto v, auto pad) {
+        auto kernel = dw_bwd_weight_nchw_s1<scalar_t, decltype(v)::value, decltype(pad)::value>;
+        set_smem(kernel, smem);
+        splits = resident_splits(kernel, plan.threads, smem, g.C, tiles);
+        part = at::empty({g.C, splits, 10}, opts.dtype(at::kFloat));
+        kernel<<<dim3(static_cast<unsigned>(g.C), static_cast<unsigned>(splits)), plan.threads, smem, stream>>>(
+            xp, gp, rp, part.mutable_data_ptr<float>(), plan.a, splits, vec_g);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+    const int64_t n = g.C * 10;
+    dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        part.const_data_ptr<float>(), gwp, gbp, g.C, splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
+}
+
 void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& x,
                                     at::Tensor& grad_w, at::Tensor& grad_b, const Geometry& g, bool nhwc) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const DwArgs a = base_args(g);
   const int S = static_cast<int>(g.stride);
-  const int64_t rows = g.N * g.Ho;
-  const int64_t col_blocks = nhwc ? (g.K + 31) / 32 : g.K;
-  const int64_t rows_per_split = rows_per_split_for(rows, col_blocks);
-  const int splits = static_cast<int>(std::max<int64_t>(1, (rows + rows_per_split - 1) / rows_per_split));
-  const auto op_dtype = at::toOpMathType(x.scalar_type());
-  at::Tensor part = at::empty({g.K, splits, 10}, x.options().dtype(op_dtype));
   OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_weight", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     const auto* gp = grad_out.const_data_ptr<scalar_t>();
     const auto* rp = result.defined() ? result.const_data_ptr<scalar_t>() : nullptr;
     const auto* xp = x.const_data_ptr<scalar_t>();
+    auto* gwp = grad_w.defined() ? grad_w.mutable_data_ptr<scalar_t>() : nullptr;
+    auto* gbp = grad_b.defined() ? grad_b.mutable_data_ptr<scalar_t>() : nullptr;
+    if (g.stride == 1 && try_backward_weight_s1<scalar_t>(gp, rp, xp, gwp, gbp, g, nhwc, x.options(), stream)) return;
+    const int64_t rows = g.N * g.Ho;
+    const int64_t col_blocks = nhwc ? (g.K + 31) / 32 : g.K;
+    const int64_t rows_per_split = rows_per_split_for(rows, col_blocks);
+    const int splits = static_cast<int>(std::max<int64_t>(1, (rows + rows_per_split - 1) / rows_per_split));
+    at::Tensor part = at::empty({g.K, splits, 10}, x.options().dtype(at::toOpMathType(x.scalar_type())));
     auto* pp = part.mutable_data_ptr<opmath_t>();
     if (nhwc) {
       const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits));
@@ -1387,12 +1758,41 @@ void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor
       dw_bwd_weight_nchw<scalar_t><<<grid, kThreads, 0, stream>>>(gp, rp, xp, pp, a, S, splits, rows_per_split);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    auto* gwp = grad_w.defined() ? grad_w.mutable_data_ptr<scalar_t>() : nullptr;
-    auto* gbp = grad_b.defined() ? grad_b.mutable_data_ptr<scalar_t>() : nullptr;
     const int64_t n = g.K * 10;
     dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(pp, gwp, gbp, g.K, splits);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+}  // namespace
+
+void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& x,
+                             const at::Tensor& w, at::Tensor& grad_x, at::Tensor& grad_w, at::Tensor& grad_b,
+                             const Geometry& g, bool nhwc) {
+  at::Tensor gm = grad_out, res = result;
+  if (grad_x.defined() && input_grad_as_forward_applies(g, nhwc, x.scalar_type())) {
+    // One pass applies the mask for both gradients (the weight kernels then
+    // read one tensor, not two); grad x runs as a forward convolution.
+    if (result.defined()) {
+      gm = at::empty_like(grad_out);
+      OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_mask", [&] {
+        opforge::cuda::binary_contiguous<scalar_t>(gm.mutable_data_ptr<scalar_t>(), grad_out.const_data_ptr<scalar_t>(),
+                                                   result.const_data_ptr<scalar_t>(), grad_out.numel(), PassedGrad{});
+      });
+      res = at::Tensor();
+    }
+    const at::Tensor wflip = w.flip({2, 3}).contiguous();
+    bool done = false;
+    OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_input", [&] {
+      done = try_backward_input_as_forward<scalar_t>(gm.const_data_ptr<scalar_t>(), wflip.const_data_ptr<scalar_t>(),
+                                                     grad_x.mutable_data_ptr<scalar_t>(), g, nhwc,
+                                                     at::cuda::getCurrentCUDAStream());
+    });
+    if (!done) depthwise_backward_input_cuda(gm, res, w, grad_x, g, nhwc);
+  } else if (grad_x.defined()) {
+    depthwise_backward_input_cuda(gm, res, w, grad_x, g, nhwc);
+  }
+  if (grad_w.defined() || grad_b.defined()) depthwise_backward_weight_cuda(gm, res, x, grad_w, grad_b, g, nhwc);
 }
 
 }  // namespace opforge::conv

@@ -12,12 +12,11 @@ namespace opforge::conv {
 void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu,
                             at::Tensor& out, const Geometry& g, bool nhwc);
 
-// grad_out (and result, when relu was fused: the mask result > 0) in x's format.
-void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& w,
-                                   at::Tensor& grad_x, const Geometry& g, bool nhwc);
-
-// grad_w (K, 1, 3, 3) and/or grad_b (K); either may be undefined.
-void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& x,
-                                    at::Tensor& grad_w, at::Tensor& grad_b, const Geometry& g, bool nhwc);
+// The backward: grad_x (x's shape and format), grad_w (K, 1, 3, 3) and
+// grad_b (K), each computed when defined; grad_out (and result, when relu was
+// fused: the mask result > 0) in x's format.
+void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& x,
+                             const at::Tensor& w, at::Tensor& grad_x, at::Tensor& grad_w, at::Tensor& grad_b,
+                             const Geometry& g, bool nhwc);
 
 }  // namespace opforge::conv
