@@ -620,14 +620,20 @@ __device__ __forceinline__ DwS1NhwcTile dw_s1_nhwc_tile(const DwS1NhwcArgs& a, i
 
 // Queues the copies of the tile (pair with copy_async_wait_all). LB: bytes
 // per copy (16, 8 or 4), a template argument so that the copy is one
-// instruction with no switch.
-template <typename scalar_t, int PAD, int LB>
+// instruction with no switch. HALO 2: the input window of the tile's output
+// pixels, (BH + 2) x (TW + 2) pixels of x (H x W) from (oh0 - PAD,
+// ow0 - PAD); HALO 0: the output pixels themselves, BH x TW pixels of an
+// output-shaped tensor (Ho x Wo) from (oh0, ow0), PAD 0.
+template <typename scalar_t, int PAD, int LB, int HALO = 2>
 __device__ __forceinline__ void dw_s1_nhwc_stage(const scalar_t* __restrict__ x, scalar_t* tile, const DwS1NhwcArgs& a,
                                                  const DwS1NhwcTile& tt) {
+  static_assert(HALO == 2 || (HALO == 0 && PAD == 0), "stage: the input window, or the output tile");
   constexpr int L = LB / static_cast<int>(sizeof(scalar_t));
-  const int sw = tt.bw + 2;        // staged columns
-  const int rows = tt.bh + 2;      // staged rows
-  const int cpp = tt.cba / L;      // copies per pixel
+  const int H = HALO == 2 ? a.H : a.Ho, W = HALO == 2 ? a.W : a.Wo;
+  const int pitch = a.TW + HALO;     // staged pixels per tile row
+  const int sw = tt.bw + HALO;       // staged columns
+  const int rows = tt.bh + HALO;     // staged rows
+  const int cpp = tt.cba / L;        // copies per pixel
   // Thread i copies part i % cpp of staged pixels i / cpp, + step, ...: the
   // pixel's row and column, and both offsets, advance by additions only (the
   // stage is a large part of this kernel's instructions: a division or a
@@ -640,18 +646,18 @@ __device__ __forceinline__ void dw_s1_nhwc_stage(const scalar_t* __restrict__ x,
   const int ih0 = tt.oh0 - PAD, iw0 = tt.ow0 - PAD;
   // Tiles away from the border stage only pixels inside the image; pixels
   // outside it are staged as zeros by the same copy instruction.
-  const bool inside = ih0 >= 0 && iw0 >= 0 && ih0 + rows <= a.H && iw0 + sw <= a.W;
+  const bool inside = ih0 >= 0 && iw0 >= 0 && ih0 + rows <= H && iw0 + sw <= W;
   const int64_t C = a.C;
   // Where (rr, qq) is read from (the image's pixel (ih0 + rr, iw0 + qq):
   // the pointer lies outside x for pixels outside the image, which are not
   // read) and written to (a shared-memory address).
-  const scalar_t* src = x + ((tt.n * a.H + ih0 + rr) * a.W + iw0 + qq) * C + tt.cin0 + part * L;
-  uint32_t dst = opforge::cuda::smem_u32(tile + (rr * (a.TW + 2) + qq) * a.CB + part * L);
-  const int64_t xstep = step * C, xwrap = (a.W - sw) * C;
-  const uint32_t tstep = step * a.CB * sizeof(scalar_t), twrap = (a.TW + 2 - sw) * a.CB * sizeof(scalar_t);
+  const scalar_t* src = x + ((tt.n * H + ih0 + rr) * W + iw0 + qq) * C + tt.cin0 + part * L;
+  uint32_t dst = opforge::cuda::smem_u32(tile + (rr * pitch + qq) * a.CB + part * L);
+  const int64_t xstep = step * C, xwrap = (W - sw) * C;
+  const uint32_t tstep = step * a.CB * sizeof(scalar_t), twrap = (pitch - sw) * a.CB * sizeof(scalar_t);
   while (rr < rows) {
-    const bool in = inside || (static_cast<unsigned>(ih0 + rr) < static_cast<unsigned>(a.H) &&
-                               static_cast<unsigned>(iw0 + qq) < static_cast<unsigned>(a.W));
+    const bool in = inside || (static_cast<unsigned>(ih0 + rr) < static_cast<unsigned>(H) &&
+                               static_cast<unsigned>(iw0 + qq) < static_cast<unsigned>(W));
     opforge::cuda::copy_async_zfill<LB>(dst, src, in);
     qq += step;
     src += xstep;
@@ -1037,13 +1043,17 @@ __global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc(const scalar_t
 // Stride 1, multiplier 1, on the forward's tiles and stage code: a block
 // stays on one channel (NCHW) or chunk of channels (NHWC) and walks the
 // tiles split, split + splits, ... of it; each tile's input window (halo
-// included) is staged with cp.async as in the forward, grad_out is read once
-// from global memory (masked by result on the way when given), and a thread
-// item slides down its rows with the 3 x 3 input window and the last three
+// included) is staged with cp.async as in the forward, and a thread item
+// slides down its rows with the 3 x 3 input window and the last three
 // grad_out rows in registers, adding into the 9 tap sums and the bias sum it
-// keeps across tiles. One block reduction at the end. (The per-row kernels
-// above index every tap with 64-bit arithmetic and bounds tests: at N64
-// C128 112x112 they ran at 4-6% of the bandwidth floor.)
+// keeps across tiles. One block reduction at the end writes
+// part[(c * splits + split) * 10 + t]. NCHW reads grad_out from global
+// memory (once, masked by result on the way when given); NHWC stages the
+// tile's grad_out pixels (already masked) too: read from global memory in
+// the row loop, they left it latency-bound (0.24 vs 0.19 ms at bfloat16 N64
+// C128 112x112, H200). (The per-row kernels above index every tap with
+// 64-bit arithmetic and bounds tests: at that shape they ran at 4-6% of the
+// bandwidth floor.)
 
 // grad_out at V consecutive places, masked by result (when given) as
 // masked_grad does; zeros past `valid` (scalar loads then).
@@ -1155,23 +1165,26 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw_s1(const scalar_t
 }
 
 // NHWC: block (chunk of CB channels, split); tiles are the forward's
-// (image, BH x TW output pixels) of that chunk. A thread item is 4 channels
-// of one output column, as in the forward.
+// (image, BH x TW output pixels) of that chunk, and grad_out's pixels of the
+// tile (already masked) are staged next to the input window. A thread item
+// is 4 channels of one output column, as in the forward.
+// (kThreads, 2): ptxas's own choice of 80 registers spilled the float32
+// instantiations.
 template <typename scalar_t, int PAD, int LB>
-__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nhwc_s1(const scalar_t* __restrict__ x,
+__global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc_s1(const scalar_t* __restrict__ x,
                                                                   const scalar_t* __restrict__ g,
-                                                                  const scalar_t* __restrict__ res,
                                                                   float* __restrict__ part, DwS1NhwcArgs a,
                                                                   int splits) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   scalar_t* tile = reinterpret_cast<scalar_t*>(smem_raw);
+  scalar_t* gtile = tile + (a.BH + 2) * (a.TW + 2) * a.CB;
   constexpr int V = 4;
   const int chunk = blockIdx.x, split = blockIdx.y;
   const int cin0 = chunk * a.CB;
   const int cvn = min(a.CB, a.C - cin0) / V;
   const int cv = static_cast<int>(threadIdx.x) % cvn, q = static_cast<int>(threadIdx.x) / cvn;
   const int64_t spatial = a.N * a.tiles_h * a.tiles_w;
-  const int rstep = (a.TW + 2) * a.CB;
+  const int rstep = (a.TW + 2) * a.CB, gstep = a.TW * a.CB;
   float acc[10][V];
 #pragma unroll
   for (int t = 0; t < 10; ++t)
@@ -1180,12 +1193,13 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nhwc_s1(const scalar_t
   for (int64_t sp = split; sp < spatial; sp += splits) {
     const DwS1NhwcTile tt = dw_s1_nhwc_tile(a, sp * a.chunks + chunk);
     dw_s1_nhwc_stage<scalar_t, PAD, LB>(x, tile, a, tt);
+    dw_s1_nhwc_stage<scalar_t, 0, LB, 0>(g, gtile, a, tt);
     copy_async_wait_all();
     __syncthreads();
     if (q < tt.bw) {
-      const scalar_t* s = tile + q * a.CB + cv * V;  // staged row 0, column q
-      const int64_t ostep = static_cast<int64_t>(a.Wo) * a.C;
-      const int64_t goff = ((tt.n * a.Ho + tt.oh0) * a.Wo + tt.ow0 + q) * static_cast<int64_t>(a.C) + cin0 + cv * V;
+      const scalar_t* s = tile + q * a.CB + cv * V;    // input window row 0, column q
+      const scalar_t* gs = gtile + q * a.CB + cv * V;  // grad_out row 0, column q
+      // Staged input row ri meets output rows ri - kh (kh = 0, 1, 2): gq[kh].
       float gq[3][V];
 #pragma unroll
       for (int kh = 0; kh < 3; ++kh)
@@ -1198,16 +1212,7 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nhwc_s1(const scalar_t
           gq[1][e] = gq[0][e];
           gq[0][e] = 0.f;
         }
-        if (ri < tt.bh) {
-          const int64_t off = goff + ri * ostep;
-          widen4(g + off, gq[0]);
-          if (res != nullptr) {
-            float rv[V];
-            widen4(res + off, rv);
-#pragma unroll
-            for (int e = 0; e < V; ++e) gq[0][e] = rv[e] > 0.f ? gq[0][e] : 0.f;
-          }
-        }
+        if (ri < tt.bh) widen4(gs + ri * gstep, gq[0]);
         float xr[3][V];
 #pragma unroll
         for (int kw = 0; kw < 3; ++kw) widen4(s + ri * rstep + kw * a.CB, xr[kw]);
@@ -1417,7 +1422,8 @@ bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
 // Tiling of the stride-1 NHWC kernels: multiplier 1, C % 4 == 0, x aligned
 // for at least 4-byte copies and out for 4-channel accesses.
 template <typename scalar_t>
-bool plan_nhwc_s1(const Geometry& g, const scalar_t* xp, const scalar_t* op, DwS1NhwcArgs& a, int& threads) {
+bool plan_nhwc_s1(const Geometry& g, const scalar_t* xp, const scalar_t* op, int max_rows, DwS1NhwcArgs& a,
+                  int& threads) {
   constexpr int s = static_cast<int>(sizeof(scalar_t));
   if (s == 8 || g.stride != 1 || g.mult != 1 || g.C % 4 != 0 || g.C > INT32_MAX / 2 || g.H > INT32_MAX / 4 ||
       g.W > INT32_MAX / 4 || !opforge::cuda::is_aligned(op, 4 * s))
@@ -1443,12 +1449,10 @@ bool plan_nhwc_s1(const Geometry& g, const scalar_t* xp, const scalar_t* op, DwS
   a.tiles_w = (a.Wo + 15) / 16;
   a.TW = (a.Wo + a.tiles_w - 1) / a.tiles_w;
   a.tiles_w = (a.Wo + a.TW - 1) / a.TW;
-  // Tile rows: 32 for the half types (their tile is half the bytes; on the
-  // H200 bfloat16 112x112 0.164 ms vs 0.170 with 16 rows, float32 0.251 vs
-  // 0.237) and 16 for float32, halved down to 4 while that leaves fewer than
-  // 3 blocks per SM (small problems: more, shorter blocks in flight beat
-  // fewer halo rows).
-  int rows = s == 2 ? 32 : 16;
+  // Tile rows: max_rows, halved down to 4 while that leaves fewer than 3
+  // blocks per SM (small problems: more, shorter blocks in flight beat fewer
+  // halo rows).
+  int rows = max_rows;
   const int64_t want = 3LL * opforge::cuda::sm_count();
   while (rows > 4 && g.N * ((a.Ho + rows - 1) / rows) * a.tiles_w * a.chunks < want) rows /= 2;
   a.tiles_h = (a.Ho + rows - 1) / rows;
@@ -1485,7 +1489,10 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
   } else {
     DwS1NhwcArgs a;
     int threads;
-    if (!plan_nhwc_s1<scalar_t>(g, xp, op, a, threads)) return false;
+    // 32 rows for the half types (their tile is half the bytes; on the H200
+    // bfloat16 112x112 0.164 ms vs 0.170 with 16 rows, float32 0.251 vs
+    // 0.237), 16 for float32.
+    if (!plan_nhwc_s1<scalar_t>(g, xp, op, sizeof(scalar_t) == 2 ? 32 : 16, a, threads)) return false;
     a.relu = relu;
     const int64_t blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
     TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
@@ -1527,7 +1534,9 @@ bool try_backward_input_as_forward(const scalar_t* gm, const scalar_t* wflip, sc
               : try_forward_nchw_s1<scalar_t>(gm, wflip, nullptr, gx, t, false, stream);
 }
 
-bool input_grad_as_forward_applies(const Geometry& g, bool nhwc, at::ScalarType dtype) {
+// Where the stride-1 tiled kernels may serve the backward (their planners
+// still decline some shapes: very wide rows, misaligned pointers).
+bool staged_s1_applies(const Geometry& g, bool nhwc, at::ScalarType dtype) {
   return g.stride == 1 && g.mult == 1 && dtype != at::kDouble && (!nhwc || g.C % 4 == 0);
 }
 
@@ -1677,10 +1686,12 @@ int resident_splits(Kernel kernel, int threads, size_t smem, int64_t groups, int
 
 // The staged stride-1 weight-gradient kernels (multiplier 1, not float64,
 // shapes the forward's tiling accepts), with the splits' sums finished into
-// gw / gb. False where they do not apply.
+// gw / gb. NCHW masks grad_out by result (rp) as it reads it; NHWC stages
+// grad_out, already masked (rp null). False where they do not apply.
 template <typename scalar_t>
-bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar_t* xp, scalar_t* gwp, scalar_t* gbp,
-                            const Geometry& g, bool nhwc, const at::TensorOptions& opts, cudaStream_t stream) {
+bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar_t* xp, scalar_t* gwp,
+                            scalar_t* gbp, const Geometry& g, bool nhwc, const at::TensorOptions& opts,
+                            cudaStream_t stream) {
   constexpr int s = static_cast<int>(sizeof(scalar_t));
   if constexpr (s == 8) {
     return false;
@@ -1691,16 +1702,18 @@ bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar
     if (nhwc) {
       DwS1NhwcArgs a;
       int threads;
-      if (!plan_nhwc_s1<scalar_t>(g, xp, gp, a, threads) || (rp != nullptr && !opforge::cuda::is_aligned(rp, 4 * s)))
+      // 16-row tiles: the grad_out tile doubles the shared memory per block.
+      if (rp != nullptr || !plan_nhwc_s1<scalar_t>(g, xp, gp, 16, a, threads) || !opforge::cuda::is_aligned(gp, a.LB))
         return false;
-      const size_t smem = std::max(nhwc_s1_stage_bytes<scalar_t>(a), static_cast<size_t>(threads) * 10 * 4 * sizeof(float));
+      const size_t stage = nhwc_s1_stage_bytes<scalar_t>(a) + static_cast<size_t>(a.BH) * a.TW * a.CB * s;
+      const size_t smem = std::max(stage, static_cast<size_t>(threads) * 10 * 4 * sizeof(float));
       with_nhwc_s1_consts(g.pad, a.LB, [&](auto pad, auto lb) {
         auto kernel = dw_bwd_weight_nhwc_s1<scalar_t, decltype(pad)::value, decltype(lb)::value>;
         set_smem(kernel, smem);
         splits = resident_splits(kernel, threads, smem, a.chunks, g.N * a.tiles_h * a.tiles_w);
         part = at::empty({g.C, splits, 10}, opts.dtype(at::kFloat));
         kernel<<<dim3(static_cast<unsigned>(a.chunks), static_cast<unsigned>(splits)), threads, smem, stream>>>(
-            xp, gp, rp, part.mutable_data_ptr<float>(), a, splits);
+            xp, gp, part.mutable_data_ptr<float>(), a, splits);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {
@@ -1770,27 +1783,34 @@ void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& resul
                              const at::Tensor& w, at::Tensor& grad_x, at::Tensor& grad_w, at::Tensor& grad_b,
                              const Geometry& g, bool nhwc) {
   at::Tensor gm = grad_out, res = result;
-  if (grad_x.defined() && input_grad_as_forward_applies(g, nhwc, x.scalar_type())) {
-    // One pass applies the mask for both gradients (the weight kernels then
-    // read one tensor, not two); grad x runs as a forward convolution.
-    if (result.defined()) {
-      gm = at::empty_like(grad_out);
-      OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_mask", [&] {
-        opforge::cuda::binary_contiguous<scalar_t>(gm.mutable_data_ptr<scalar_t>(), grad_out.const_data_ptr<scalar_t>(),
-                                                   result.const_data_ptr<scalar_t>(), grad_out.numel(), PassedGrad{});
-      });
-      res = at::Tensor();
-    }
-    const at::Tensor wflip = w.flip({2, 3}).contiguous();
-    bool done = false;
-    OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_input", [&] {
-      done = try_backward_input_as_forward<scalar_t>(gm.const_data_ptr<scalar_t>(), wflip.const_data_ptr<scalar_t>(),
-                                                     grad_x.mutable_data_ptr<scalar_t>(), g, nhwc,
-                                                     at::cuda::getCurrentCUDAStream());
+  const bool staged = staged_s1_applies(g, nhwc, x.scalar_type());
+  if (staged && result.defined() && (grad_x.defined() || nhwc)) {
+    // One pass applies the ReLU mask for both gradients: the staged kernels
+    // that copy grad_out into shared memory (grad x as a forward, the NHWC
+    // weight gradient) take it as it is; the NCHW weight gradient, which
+    // reads grad_out from global memory, masks it on the way when grad x is
+    // not asked for. (On the H200 staging grad_out for the NCHW weight
+    // gradient ran slower: the two stages halve the rows per block.)
+    gm = at::empty_like(grad_out);
+    OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_mask", [&] {
+      opforge::cuda::binary_contiguous<scalar_t>(gm.mutable_data_ptr<scalar_t>(), grad_out.const_data_ptr<scalar_t>(),
+                                                 result.const_data_ptr<scalar_t>(), grad_out.numel(), PassedGrad{});
     });
+    res = at::Tensor();
+  }
+  if (grad_x.defined()) {
+    bool done = false;
+    if (staged) {
+      // grad x as a forward convolution of the masked grad_out.
+      const at::Tensor wflip = w.flip({2, 3}).contiguous();
+      OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_input", [&] {
+        done = try_backward_input_as_forward<scalar_t>(gm.const_data_ptr<scalar_t>(),
+                                                       wflip.const_data_ptr<scalar_t>(),
+                                                       grad_x.mutable_data_ptr<scalar_t>(), g, nhwc,
+                                                       at::cuda::getCurrentCUDAStream());
+      });
+    }
     if (!done) depthwise_backward_input_cuda(gm, res, w, grad_x, g, nhwc);
-  } else if (grad_x.defined()) {
-    depthwise_backward_input_cuda(gm, res, w, grad_x, g, nhwc);
   }
   if (grad_w.defined() || grad_b.defined()) depthwise_backward_weight_cuda(gm, res, x, grad_w, grad_b, g, nhwc);
 }
