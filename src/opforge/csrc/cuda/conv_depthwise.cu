@@ -1247,6 +1247,166 @@ __global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc_s1(const scala
   }
 }
 
+// ---------------------------------------------------------------- backward: fused, NHWC, padding 1
+
+// Stride 1, padding 1, multiplier 1, NHWC: grad x and the weight/bias sums
+// from one stage per tile. The tile's output pixels and their 1-pixel ring
+// are staged for grad_out, result (with a fused ReLU) and x alike (with
+// padding 1 the input and output grids coincide), so each tensor is read
+// once (plus its halo) and grad x written once: 4 passes over memory where
+// the separate kernels (mask pass, grad x as a forward, weight sums) make 7.
+// A thread item (4 channels of one column) slides down the staged rows:
+// grad x is the forward's rolling sum over the masked grad_out window with
+// the kernel flipped; the weight sums pair the input row one step behind
+// with the grad_out centres of the three output rows it feeds. Blocks stay on
+// one chunk of channels and walk its tiles, as dw_bwd_weight_nhwc_s1.
+// Blocks of at most 128 threads (CB / 4 x TW, CB <= 32, TW <= 16), three
+// per SM: up to 168 registers (a thread keeps 36 weights, 40 sums and two
+// staged rows; at 128 registers ptxas spilled).
+constexpr int kFusedThreads = 128;
+
+template <typename scalar_t, int LB, bool MASK>
+__global__ void __launch_bounds__(kFusedThreads, 3) dw_bwd_fused_nhwc_s1(const scalar_t* __restrict__ g,
+                                                                 const scalar_t* __restrict__ res,
+                                                                 const scalar_t* __restrict__ x,
+                                                                 const scalar_t* __restrict__ w,
+                                                                 scalar_t* __restrict__ gx, float* __restrict__ part,
+                                                                 DwS1NhwcArgs a, int splits) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int ts = (a.BH + 2) * (a.TW + 2) * a.CB;  // elements per staged tile
+  scalar_t* xt = reinterpret_cast<scalar_t*>(smem_raw);
+  scalar_t* gt = xt + ts;
+  scalar_t* rt = gt + ts;  // MASK only
+  constexpr int V = 4;
+  const int chunk = blockIdx.x, split = blockIdx.y;
+  const int cin0 = chunk * a.CB;
+  const int cvn = min(a.CB, a.C - cin0) / V;
+  const int cv = static_cast<int>(threadIdx.x) % cvn, q = static_cast<int>(threadIdx.x) / cvn;
+  const bool active = q < a.TW;
+  const int c0 = cin0 + cv * V;
+  // grad x's weights, flipped: wf[t][e] = w[c0 + e][8 - t].
+  float wf[9][V];
+#pragma unroll
+  for (int e = 0; e < V; ++e)
+#pragma unroll
+    for (int t = 0; t < 9; ++t) wf[t][e] = active ? static_cast<float>(w[static_cast<int64_t>(c0 + e) * 9 + 8 - t]) : 0.f;
+  float acc[10][V];
+#pragma unroll
+  for (int t = 0; t < 10; ++t)
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[t][e] = 0.f;
+  const int64_t spatial = a.N * a.tiles_h * a.tiles_w;
+  const int rstep = (a.TW + 2) * a.CB;
+  const int64_t ostep = static_cast<int64_t>(a.W) * a.C;
+  for (int64_t sp = split; sp < spatial; sp += splits) {
+    const DwS1NhwcTile tt = dw_s1_nhwc_tile(a, sp * a.chunks + chunk);
+    dw_s1_nhwc_stage<scalar_t, 1, LB>(x, xt, a, tt);
+    dw_s1_nhwc_stage<scalar_t, 1, LB>(g, gt, a, tt);
+    if constexpr (MASK) dw_s1_nhwc_stage<scalar_t, 1, LB>(res, rt, a, tt);
+    copy_async_wait_all();
+    __syncthreads();
+    if (q < tt.bw) {
+      const int off0 = q * a.CB + cv * V;  // staged row 0, column q
+      scalar_t* o = gx + ((tt.n * a.H + tt.oh0) * a.W + tt.ow0 + q) * static_cast<int64_t>(a.C) + c0;
+      float accP[V], accQ[V];      // grad x rows ri - 2 and ri - 1 in progress
+      float xp[3][V];              // the input row one step behind
+      float gc1[V], gc2[V];        // grad_out centres of staged rows ri - 1, ri - 2 (0 off the tile)
+#pragma unroll
+      for (int e = 0; e < V; ++e) accP[e] = accQ[e] = gc1[e] = gc2[e] = 0.f;
+#pragma unroll
+      for (int kw = 0; kw < 3; ++kw)
+#pragma unroll
+        for (int e = 0; e < V; ++e) xp[kw][e] = 0.f;
+      for (int ri = 0; ri <= tt.bh + 2; ++ri) {
+        float gr[3][V], xr[3][V], gc[V];
+        if (ri <= tt.bh + 1) {
+          const int off = off0 + ri * rstep;
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw) {
+            widen4(gt + off + kw * a.CB, gr[kw]);
+            widen4(xt + off + kw * a.CB, xr[kw]);
+            if constexpr (MASK) {
+              float rv[V];
+              widen4(rt + off + kw * a.CB, rv);
+#pragma unroll
+              for (int e = 0; e < V; ++e) gr[kw][e] = rv[e] > 0.f ? gr[kw][e] : 0.f;
+            }
+          }
+        } else {
+#pragma unroll
+          for (int kw = 0; kw < 3; ++kw)
+#pragma unroll
+            for (int e = 0; e < V; ++e) gr[kw][e] = xr[kw][e] = 0.f;
+        }
+        // Staged row ri is output row ri - 1 of the tile: its centre counts
+        // for the weights only inside the tile.
+        const bool in_tile = ri >= 1 && ri <= tt.bh;
+#pragma unroll
+        for (int e = 0; e < V; ++e) gc[e] = in_tile ? gr[1][e] : 0.f;
+        // Weights: input row ri - 1 (xp) feeds output rows ri - 1 - kh,
+        // whose grad_out centres are staged rows ri - kh: gc, gc1, gc2.
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw)
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            acc[kw][e] = fmaf(gc[e], xp[kw][e], acc[kw][e]);
+            acc[3 + kw][e] = fmaf(gc1[e], xp[kw][e], acc[3 + kw][e]);
+            acc[6 + kw][e] = fmaf(gc2[e], xp[kw][e], acc[6 + kw][e]);
+          }
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          acc[9][e] += gc[e];
+          gc2[e] = gc1[e];
+          gc1[e] = gc[e];
+        }
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw)
+#pragma unroll
+          for (int e = 0; e < V; ++e) xp[kw][e] = xr[kw][e];
+        // grad x: staged grad_out row ri completes row ri - 2 (flipped kernel
+        // row 2), continues ri - 1 (row 1) and starts ri (row 0).
+        if (ri <= tt.bh + 1) {
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+#pragma unroll
+            for (int kw = 0; kw < 3; ++kw) accP[e] = fmaf(wf[6 + kw][e], gr[kw][e], accP[e]);
+          if (ri >= 2) {
+            *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, false);
+            o += ostep;
+          }
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            accP[e] = accQ[e];
+            accQ[e] = 0.f;
+#pragma unroll
+            for (int kw = 0; kw < 3; ++kw) {
+              accP[e] = fmaf(wf[3 + kw][e], gr[kw][e], accP[e]);
+              accQ[e] = fmaf(wf[kw][e], gr[kw][e], accQ[e]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // the next tile's stage overwrites this one
+  }
+  // The weight sums: over the TW columns of each channel, in a fixed order.
+  float* red = reinterpret_cast<float*>(smem_raw);
+  if (active) {
+#pragma unroll
+    for (int t = 0; t < 10; ++t)
+#pragma unroll
+      for (int e = 0; e < V; ++e) red[(threadIdx.x * 10 + t) * V + e] = acc[t][e];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < cvn * V * 10; i += blockDim.x) {
+    const int t = i % 10, cc = i / 10;  // channel cin0 + cc
+    const int v = cc / V, e = cc % V;
+    float sum = 0.f;
+    for (int qq = 0; qq < a.TW; ++qq) sum += red[((qq * cvn + v) * 10 + t) * V + e];
+    part[(static_cast<int64_t>(cin0 + cc) * splits + split) * 10 + t] = sum;
+  }
+}
+
 template <typename scalar_t>
 __global__ void dw_bwd_weight_finish(const at::opmath_type<scalar_t>* __restrict__ part, scalar_t* __restrict__ gw,
                                      scalar_t* __restrict__ gb, int64_t K, int splits) {
@@ -1742,6 +1902,50 @@ bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar
   }
 }
 
+// The fused NHWC backward (stride 1, padding 1, multiplier 1, not float64)
+// into grad x and the splits' sums, finished into gw / gb. rp: the fused
+// ReLU's result, or null. False where it does not apply.
+template <typename scalar_t>
+bool try_backward_fused_nhwc(const scalar_t* gp, const scalar_t* rp, const scalar_t* xp, const scalar_t* wp,
+                             scalar_t* gxp, scalar_t* gwp, scalar_t* gbp, const Geometry& g,
+                             const at::TensorOptions& opts, cudaStream_t stream) {
+  constexpr int s = static_cast<int>(sizeof(scalar_t));
+  if constexpr (s == 8) {
+    return false;
+  } else {
+    DwS1NhwcArgs a;
+    int threads;
+    // 16-row tiles for the half types, 8 for float32: three staged tensors
+    // per block.
+    if (g.pad != 1 || !plan_nhwc_s1<scalar_t>(g, xp, gxp, s == 2 ? 16 : 8, a, threads) ||
+        !opforge::cuda::is_aligned(gp, a.LB) || (rp != nullptr && !opforge::cuda::is_aligned(rp, a.LB)))
+      return false;
+    TORCH_INTERNAL_ASSERT(threads <= kFusedThreads);
+    const size_t stage = (rp != nullptr ? 3 : 2) * nhwc_s1_stage_bytes<scalar_t>(a);
+    const size_t smem = std::max(stage, static_cast<size_t>(threads) * 10 * 4 * sizeof(float));
+    at::Tensor part;
+    int splits = 1;
+    auto launch = [&](auto kernel) {
+      set_smem(kernel, smem);
+      splits = resident_splits(kernel, threads, smem, a.chunks, g.N * a.tiles_h * a.tiles_w);
+      part = at::empty({g.C, splits, 10}, opts.dtype(at::kFloat));
+      kernel<<<dim3(static_cast<unsigned>(a.chunks), static_cast<unsigned>(splits)), threads, smem, stream>>>(
+          gp, rp, xp, wp, gxp, part.mutable_data_ptr<float>(), a, splits);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    with_nhwc_s1_consts(1, a.LB, [&](auto, auto lb) {
+      constexpr int LB = decltype(lb)::value;
+      if (rp != nullptr) launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, true>);
+      else launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, false>);
+    });
+    const int64_t n = g.C * 10;
+    dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        part.const_data_ptr<float>(), gwp, gbp, g.C, splits);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+  }
+}
+
 void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor& result, const at::Tensor& x,
                                     at::Tensor& grad_w, at::Tensor& grad_b, const Geometry& g, bool nhwc) {
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -1784,6 +1988,18 @@ void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& resul
                              const Geometry& g, bool nhwc) {
   at::Tensor gm = grad_out, res = result;
   const bool staged = staged_s1_applies(g, nhwc, x.scalar_type());
+  if (staged && nhwc && grad_x.defined() && (grad_w.defined() || grad_b.defined())) {
+    bool done = false;
+    OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_fused", [&] {
+      done = try_backward_fused_nhwc<scalar_t>(
+          grad_out.const_data_ptr<scalar_t>(), result.defined() ? result.const_data_ptr<scalar_t>() : nullptr,
+          x.const_data_ptr<scalar_t>(), w.const_data_ptr<scalar_t>(), grad_x.mutable_data_ptr<scalar_t>(),
+          grad_w.defined() ? grad_w.mutable_data_ptr<scalar_t>() : nullptr,
+          grad_b.defined() ? grad_b.mutable_data_ptr<scalar_t>() : nullptr, g, x.options(),
+          at::cuda::getCurrentCUDAStream());
+    });
+    if (done) return;
+  }
   if (staged && result.defined() && (grad_x.defined() || nhwc)) {
     // One pass applies the ReLU mask for both gradients: the staged kernels
     // that copy grad_out into shared memory (grad x as a forward, the NHWC
