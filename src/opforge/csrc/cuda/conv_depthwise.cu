@@ -10,9 +10,12 @@
 // Forward, NHWC: one block per (image, tile of 8x8 or 4x8 output pixels,
 // chunk of input channels); the tile is staged with 16-byte loads along C and
 // each thread computes V consecutive output channels of one pixel.
-// Backward: for stride 1 and multiplier 1, one pass masks grad_out by the
-// fused ReLU's result and grad x is the forward kernel run on it with the
-// kernel flipped (padding 2 - pad); otherwise grad x is a gather (the
+// Backward: for stride 1 and multiplier 1, NHWC with padding 1 runs one
+// fused kernel (grad x and the weight sums from one stage of grad_out,
+// result and x per tile); otherwise one pass masks grad_out by the fused
+// ReLU's result and grad x is the forward kernel run on it with the kernel
+// flipped (padding 2 - pad), the weight sums coming from staged kernels on
+// the forward's tiles; other strides and multipliers: grad x is a gather (the
 // flipped kernel, stride-aware) with the ReLU mask applied as grad_out is
 // read (row kernels for stride 1 when the forward's do not apply); grad
 // weight and grad bias are per-channel reductions: block reductions into a
