@@ -502,6 +502,23 @@ __device__ __forceinline__ void dw_s1_stage(const scalar_t* __restrict__ x, scal
   }
 }
 
+// Thread item `it` of a tile: column group g (V output columns), plane p of
+// the tile, and its run of output rows [r0, r0 + nr) (nr <= 0: none).
+struct DwS1Item {
+  int g, p, r0, nr;
+};
+
+__device__ __forceinline__ DwS1Item dw_s1_item(const DwS1Args& a, const DwS1Tile& tt, int it) {
+  DwS1Item r;
+  r.g = it % a.ngw;
+  const int t = it / a.ngw;
+  const int run = t % a.runs;
+  r.p = t / a.runs;
+  r.r0 = run * a.R;
+  r.nr = min(a.R, tt.bh - r.r0);
+  return r;
+}
+
 // The outputs of tile `tt` from its stage.
 template <typename scalar_t, int V, int PAD>
 __device__ __forceinline__ void dw_s1_compute(const scalar_t* tile, const scalar_t* __restrict__ w,
@@ -511,11 +528,8 @@ __device__ __forceinline__ void dw_s1_compute(const scalar_t* tile, const scalar
   const int items = tt.np * a.runs * a.ngw;
   for (int j = 0; j < a.mult; ++j) {
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
-      const int g = it % a.ngw;
-      const int t = it / a.ngw;
-      const int run = t % a.runs, p = t / a.runs;
-      const int r0 = run * a.R;
-      const int nr = min(a.R, tt.bh - r0);
+      const DwS1Item item = dw_s1_item(a, tt, it);
+      const int g = item.g, p = item.p, r0 = item.r0, nr = item.nr;
       if (nr <= 0) continue;
       const int64_t plane = tt.plane0 + p;
       const int64_t k = (plane % a.C) * a.mult + j;
@@ -907,6 +921,26 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// out[t] = the block's sum of every thread's acc[t] (t < 10), in a fixed
+// order: within warps, then over the warps. Every thread of the block (a
+// multiple of 32, at most kThreads) must call it.
+template <typename T>
+__device__ __forceinline__ void block_sums10(const T (&acc)[10], T* __restrict__ out) {
+  __shared__ T red[kThreads / 32][10];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int t = 0; t < 10; ++t) {
+    const T v = warp_sum(acc[t]);
+    if (lane == 0) red[warp][t] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < 10) {
+    T sum = T(0);
+    for (int q = 0; q < static_cast<int>(blockDim.x / 32); ++q) sum += red[q][threadIdx.x];
+    out[threadIdx.x] = sum;
+  }
+}
+
 // Both weight kernels split the N * Ho output rows (of one channel) into
 // `splits` runs of rows_per_split rows and find a row's (n, oh) with one
 // division per row, not per element (64-bit divisions are subroutine calls).
@@ -949,18 +983,7 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* _
       acc[9] += gv;
     }
   }
-  __shared__ opmath_t red[kThreads / 32][10];
-#pragma unroll
-  for (int t = 0; t < 10; ++t) {
-    const opmath_t v = warp_sum(acc[t]);
-    if (lane == 0) red[warp][t] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x < 10) {
-    opmath_t s = opmath_t(0);
-    for (int q = 0; q < nwarps; ++q) s += red[q][threadIdx.x];
-    part[(k * splits + split) * 10 + threadIdx.x] = s;
-  }
+  block_sums10(acc, part + (k * splits + split) * 10);
 }
 
 // NHWC: block (chunk of 32 output channels, split); threadIdx.x is the
@@ -1117,13 +1140,10 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw_s1(const scalar_t
     __syncthreads();
     const int items = tt.np * a.runs * a.ngw;
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
-      const int gi = it % a.ngw;
-      const int t = it / a.ngw;
-      const int run = t % a.runs, p = t / a.runs;
-      const int r0 = run * a.R;
-      const int nr = min(a.R, tt.bh - r0);
+      const DwS1Item item = dw_s1_item(a, tt, it);
+      const int p = item.p, r0 = item.r0, nr = item.nr;
       if (nr <= 0) continue;
-      const int ow = gi * V;
+      const int ow = item.g * V;
       const int valid = min(V, a.Wo - ow);
       const scalar_t* sp = stage + (p * a.SR + r0) * a.P + E + ow;
       const int64_t goff = ((n0 + p) * a.C + c) * static_cast<int64_t>(a.Ho) * a.Wo +
@@ -1151,19 +1171,31 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw_s1(const scalar_t
     }
     __syncthreads();  // the next tile's stage overwrites this one
   }
-  // Block sum in a fixed order: warps, then the warps' sums.
-  __shared__ float red[kThreads / 32][10];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  block_sums10(acc, part + (static_cast<int64_t>(c) * splits + split) * 10);
+}
+
+// The end of the NHWC weight-sum kernels: thread (cv, q) = threadIdx.x
+// (cv < cvn, q < tw when `active`) holds 10 sums for 4 channels; they are
+// added over q in a fixed order through `red` (the block's shared memory,
+// 40 floats per thread: the host sizes it) into part[(c * splits + split) *
+// 10 + t]. Every thread of the block must call it, after a barrier that
+// follows the last use of the stage that red overwrites.
+__device__ __forceinline__ void nhwc_block_sums(const float (&acc)[10][4], float* red, bool active, int cvn, int tw,
+                                                int cin0, int split, int splits, float* __restrict__ part) {
+  constexpr int V = 4;
+  if (active) {
 #pragma unroll
-  for (int t = 0; t < 10; ++t) {
-    const float v = warp_sum(acc[t]);
-    if (lane == 0) red[warp][t] = v;
+    for (int t = 0; t < 10; ++t)
+#pragma unroll
+      for (int e = 0; e < V; ++e) red[(threadIdx.x * 10 + t) * V + e] = acc[t][e];
   }
   __syncthreads();
-  if (threadIdx.x < 10) {
+  for (int i = threadIdx.x; i < cvn * V * 10; i += blockDim.x) {
+    const int t = i % 10, cc = i / 10;  // channel cin0 + cc
+    const int v = cc / V, e = cc % V;
     float sum = 0.f;
-    for (int q = 0; q < static_cast<int>(blockDim.x / 32); ++q) sum += red[q][threadIdx.x];
-    part[(static_cast<int64_t>(c) * splits + split) * 10 + threadIdx.x] = sum;
+    for (int qq = 0; qq < tw; ++qq) sum += red[((qq * cvn + v) * 10 + t) * V + e];
+    part[(static_cast<int64_t>(cin0 + cc) * splits + split) * 10 + t] = sum;
   }
 }
 
@@ -1231,23 +1263,7 @@ __global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc_s1(const scala
     }
     __syncthreads();  // the next tile's stage overwrites this one
   }
-  // Sum over the TW columns of each channel in a fixed order; the stage's
-  // shared memory holds the block's 40 sums per thread (the host sizes it).
-  float* red = reinterpret_cast<float*>(smem_raw);
-  if (q < a.TW) {
-#pragma unroll
-    for (int t = 0; t < 10; ++t)
-#pragma unroll
-      for (int e = 0; e < V; ++e) red[(threadIdx.x * 10 + t) * V + e] = acc[t][e];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < cvn * V * 10; i += blockDim.x) {
-    const int t = i % 10, cc = i / 10;  // channel cin0 + cc
-    const int v = cc / V, e = cc % V;
-    float sum = 0.f;
-    for (int qq = 0; qq < a.TW; ++qq) sum += red[((qq * cvn + v) * 10 + t) * V + e];
-    part[(static_cast<int64_t>(cin0 + cc) * splits + split) * 10 + t] = sum;
-  }
+  nhwc_block_sums(acc, reinterpret_cast<float*>(smem_raw), q < a.TW, cvn, a.TW, cin0, split, splits, part);
 }
 
 // ---------------------------------------------------------------- backward: fused, NHWC, padding 1
@@ -1392,22 +1408,7 @@ __global__ void __launch_bounds__(kFusedThreads, 3) dw_bwd_fused_nhwc_s1(const s
     }
     __syncthreads();  // the next tile's stage overwrites this one
   }
-  // The weight sums: over the TW columns of each channel, in a fixed order.
-  float* red = reinterpret_cast<float*>(smem_raw);
-  if (active) {
-#pragma unroll
-    for (int t = 0; t < 10; ++t)
-#pragma unroll
-      for (int e = 0; e < V; ++e) red[(threadIdx.x * 10 + t) * V + e] = acc[t][e];
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < cvn * V * 10; i += blockDim.x) {
-    const int t = i % 10, cc = i / 10;  // channel cin0 + cc
-    const int v = cc / V, e = cc % V;
-    float sum = 0.f;
-    for (int qq = 0; qq < a.TW; ++qq) sum += red[((qq * cvn + v) * 10 + t) * V + e];
-    part[(static_cast<int64_t>(cin0 + cc) * splits + split) * 10 + t] = sum;
-  }
+  nhwc_block_sums(acc, reinterpret_cast<float*>(smem_raw), q < a.TW, cvn, a.TW, cin0, split, splits, part);
 }
 
 template <typename scalar_t>
@@ -1836,6 +1837,16 @@ void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor&
   });
 }
 
+// gw[k] / gb[k] (either may be null) from the splits' partial sums
+// part[(k * splits + split) * 10 + t], added in a fixed order.
+template <typename scalar_t>
+void finish_weight_sums(const at::opmath_type<scalar_t>* part, scalar_t* gwp, scalar_t* gbp, int64_t K, int splits,
+                        cudaStream_t stream) {
+  const int64_t n = K * 10;
+  dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(part, gwp, gbp, K, splits);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Splits of the staged weight-gradient kernels: as many blocks as fit on
 // the GPU at once (their blocks walk tiles), spread over `groups` channels
 // or chunks, at most one per tile.
@@ -1897,10 +1908,7 @@ bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
-    const int64_t n = g.C * 10;
-    dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        part.const_data_ptr<float>(), gwp, gbp, g.C, splits);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    finish_weight_sums<scalar_t>(part.const_data_ptr<float>(), gwp, gbp, g.C, splits, stream);
     return true;
   }
 }
@@ -1941,10 +1949,7 @@ bool try_backward_fused_nhwc(const scalar_t* gp, const scalar_t* rp, const scala
       if (rp != nullptr) launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, true>);
       else launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, false>);
     });
-    const int64_t n = g.C * 10;
-    dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        part.const_data_ptr<float>(), gwp, gbp, g.C, splits);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    finish_weight_sums<scalar_t>(part.const_data_ptr<float>(), gwp, gbp, g.C, splits, stream);
     return true;
   }
 }
@@ -1978,9 +1983,7 @@ void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor
       dw_bwd_weight_nchw<scalar_t><<<grid, kThreads, 0, stream>>>(gp, rp, xp, pp, a, S, splits, rows_per_split);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t n = g.K * 10;
-    dw_bwd_weight_finish<scalar_t><<<(n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(pp, gwp, gbp, g.K, splits);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    finish_weight_sums<scalar_t>(pp, gwp, gbp, g.K, splits, stream);
   });
 }
 
