@@ -8,7 +8,10 @@
 // Non-contiguous inputs take one .contiguous() in their suggested memory format.
 //
 // Backward: the ReLU mask (result > 0) is applied to grad_out by the add
-// family's fused _add_relu_backward kernel, then ATen's convolution_backward
+// family's fused _add_relu_backward kernel; then, depthwise with stride 1
+// and multiplier 1, grad x is the depthwise forward loop run on it with the
+// kernel flipped and the weight / bias sums are direct loops
+// (cpu/conv_dw_grad_kernels.h); otherwise ATen's convolution_backward
 // computes grad x / weight / bias (oneDNN on the CPU).
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
@@ -28,6 +31,8 @@
 
 OPFORGE_CPU_DECLARE(void, conv_dw_nchw, c10::ScalarType, const opforge::conv::DwParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_nhwc, c10::ScalarType, const opforge::conv::DwParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nchw, c10::ScalarType, const opforge::conv::DwGradParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nhwc, c10::ScalarType, const opforge::conv::DwGradParams&)
 OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t, bool,
                     bool)
 
@@ -265,11 +270,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
 
 namespace {
 
+// Depthwise, stride 1, multiplier 1: grad x is the forward's loop run on the
+// masked grad_out with the kernel flipped and padding 2 - padding (its output
+// has x's shape); the weight and bias sums come from conv_dw_wgrad_*. All in
+// opmath, rounded once. (Through ATen, oneDNN's CPU depthwise backward ran at
+// a quarter of the forward's bandwidth.)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_s1(const at::Tensor& grad_out,
+                                                                      const c10::optional<at::Tensor>& result,
+                                                                      const at::Tensor& x_in, const at::Tensor& w_in,
+                                                                      const Geometry& g, std::array<bool, 3> mask) {
+  const auto fmt = opforge::conv::out_format(x_in);
+  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
+  const at::Tensor x = x_in.contiguous(fmt);
+  const at::Tensor w = w_in.contiguous();
+  at::Tensor gm = (result.has_value() && result->defined()) ? opforge::conv::relu_masked_grad(grad_out, *result)
+                                                            : grad_out;
+  gm = gm.contiguous(fmt);
+  const auto dtype = x.scalar_type();
+  auto empty = [&] { return at::empty({0}, x.options()); };
+  at::Tensor gx = empty(), gw = empty(), gb = empty();
+  if (mask[0]) {
+    const at::Tensor wflip = w.flip({2, 3}).contiguous();
+    gx = at::empty(x.sizes(), x.options().memory_format(fmt));
+    const opforge::conv::DwParams p{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
+                                    gm.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr()};
+    (nhwc ? OPFORGE_CPU_SELECT(conv_dw_nhwc) : OPFORGE_CPU_SELECT(conv_dw_nchw))(dtype, p);
+  }
+  if (mask[1] || mask[2]) {
+    if (mask[1]) gw = at::empty(w.sizes(), w.options());
+    if (mask[2]) gb = at::empty({g.K}, x.options());
+    const opforge::conv::DwGradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, gm.const_data_ptr(), x.const_data_ptr(),
+                                        mask[1] ? gw.data_ptr() : nullptr, mask[2] ? gb.data_ptr() : nullptr};
+    (nhwc ? OPFORGE_CPU_SELECT(conv_dw_wgrad_nhwc) : OPFORGE_CPU_SELECT(conv_dw_wgrad_nchw))(dtype, p);
+  }
+  return {gx, gw, gb};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& result, const at::Tensor& x, const at::Tensor& w,
     int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
   const Geometry g = opforge::conv::check_conv_args(kBwdOp, x, w, c10::nullopt, stride, padding, groups);
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, g);
+  if (g.depthwise && g.stride == 1 && g.mult == 1 && x.numel() > 0 && grad_out.numel() > 0) {
+    return depthwise_backward_s1(grad_out, result, x, w, g, mask);
+  }
   return opforge::conv::backward_via_aten(grad_out, result, x, w, g, mask);
 }
 

@@ -2,3 +2,4 @@
 #include <opforge/cpu_isa_begin.h>
 
 #include "cpu/conv_kernels.h"
+#include "cpu/conv_dw_grad_kernels.h"

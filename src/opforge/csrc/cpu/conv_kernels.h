@@ -12,6 +12,8 @@
 //   the channel tail take their own (checked / masked) loops.
 // - bias_act: the dense path's epilogue, run on each GEMM result tile while
 //   it is in cache (bias per row or per column, optional ReLU, one rounding).
+#pragma once
+
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -333,7 +335,9 @@ void dw_nchw(const conv::DwParams& p) {
           int64_t iw = 0;
           for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
           if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
-          if (pad) t[0] = t[Wp - 1] = opmath_t(0);
+          // Padding columns (2 for the backward's grad x of a padding-0 conv).
+          std::fill(t, t + pad, opmath_t(0));
+          std::fill(t + pad + W, t + Wp, opmath_t(0));
           if (s == 2) split_even_odd(split, row, Wp, E);
         }
       };

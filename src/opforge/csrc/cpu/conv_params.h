@@ -14,4 +14,13 @@ struct DwParams {
   void* out;      // (N, K, Ho, Wo) contiguous, or (N, Ho, Wo, K)
 };
 
+// The depthwise weight / bias gradient loops (stride 1, multiplier 1).
+struct DwGradParams {
+  int64_t N, C, H, W, Ho, Wo, pad;
+  const void* g;  // masked grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
+  const void* x;  // (N, C, H, W) contiguous, or (N, H, W, C)
+  void* gw;       // (C, 1, 3, 3), or nullptr
+  void* gb;       // (C), or nullptr
+};
+
 }  // namespace opforge::conv

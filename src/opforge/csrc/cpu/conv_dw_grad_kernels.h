@@ -1,0 +1,208 @@
+// Depthwise weight / bias gradients of the conv family on the CPU (stride 1,
+// channel multiplier 1), compiled once per ISA by conv_cpu_{default,avx2,
+// avx512}.cpp after cpu/conv_kernels.h; cpu/conv.cpp picks the ISA at run time.
+//
+// gw[c, kh, kw] = sum_{n, oh, ow} g[n, c, oh, ow] * x[n, c, oh - pad + kh, ow - pad + kw]
+// gb[c]         = sum_{n, oh, ow} g[n, c, oh, ow]
+// with g the (already masked) grad_out. Sums are kept in opmath vectors and
+// added in an order fixed by the shape alone (not by the thread count), so a
+// result does not change from run to run.
+//
+// - NCHW: one work item per channel; each (image, channel) plane of x is
+//   staged once into zero-padded opmath rows, then every grad_out row adds
+//   its 9 tap products along W (3 staged rows x 3 shifted loads).
+// - NHWC: vectorised along the channels; the N * Ho output rows are cut into
+//   at most kNhwcChunks chunks (their count fixed by the shape), each
+//   summing into its own (10, K) partials while one channel vector walks a
+//   row with the 3 x 3 input window in registers (3 new loads per pixel);
+//   the partials are added chunk by chunk at the end.
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <vector>
+
+#include <opforge/dispatch.h>
+
+#include "cpu/conv_kernels.h"
+#include "cpu/conv_params.h"
+
+namespace opforge::cpu::CPU_CAPABILITY {
+namespace conv_detail {
+
+// The lanes of v added in lane order.
+template <typename T>
+inline T lane_sum(const at::vec::Vectorized<T>& v) {
+  T buf[at::vec::Vectorized<T>::size()];
+  v.store(buf);
+  T s = T(0);
+  for (T b : buf) s += b;
+  return s;
+}
+
+template <typename scalar_t>
+void dw_wgrad_nchw(const conv::DwGradParams& p) {
+  using IO = VecIo<scalar_t>;
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t L = V::size();
+  const auto* x = static_cast<const scalar_t*>(p.x);
+  const auto* g = static_cast<const scalar_t*>(p.g);
+  auto* gw = static_cast<scalar_t*>(p.gw);
+  auto* gb = static_cast<scalar_t*>(p.gb);
+  const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
+  const int64_t Wp = W + 2 * pad, Hp = H + 2 * pad;
+  const int64_t wvec = (Wo + L - 1) / L * L;  // grad_out columns, whole vectors
+  // Staged rows: the taps of the last vector read up to wvec + 1 < rowlen.
+  const int64_t rowlen = std::max((Wp + L - 1) / L * L, wvec + 2) + L;
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+    // Zero padding (rows and columns outside the image) stays zero: staging
+    // writes only columns [pad, pad + W) of rows [pad, pad + H).
+    std::vector<opmath_t> plane(Hp * rowlen, opmath_t(0));
+    std::vector<opmath_t> grow(wvec, opmath_t(0));
+    for (int64_t c = begin; c < end; ++c) {
+      V acc[9], accb(opmath_t(0));
+      for (int t = 0; t < 9; ++t) acc[t] = V(opmath_t(0));
+      for (int64_t n = 0; n < p.N; ++n) {
+        const scalar_t* xp = x + (n * C + c) * H * W;
+        for (int64_t ih = 0; ih < H; ++ih) {
+          opmath_t* d = plane.data() + (ih + pad) * rowlen + pad;
+          const scalar_t* xr = xp + ih * W;
+          int64_t iw = 0;
+          for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
+          if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+        }
+        const scalar_t* gp = g + (n * C + c) * Ho * Wo;
+        for (int64_t oh = 0; oh < Ho; ++oh) {
+          // The grad_out row in opmath, zeros past Wo: the extra lanes add 0.
+          const scalar_t* gr = gp + oh * Wo;
+          int64_t ow = 0;
+          for (; ow + L <= Wo; ow += L) IO::load(gr + ow).store(grow.data() + ow);
+          if (ow < Wo) IO::load(gr + ow, static_cast<int>(Wo - ow)).store(grow.data() + ow);
+          for (ow = 0; ow < wvec; ow += L) {
+            const V gv = V::loadu(grow.data() + ow);
+            accb = accb + gv;
+            for (int kh = 0; kh < 3; ++kh) {
+              // Staged row oh + kh is input row oh - pad + kh.
+              const opmath_t* xr = plane.data() + (oh + kh) * rowlen + ow;
+              acc[kh * 3] = at::vec::fmadd(gv, V::loadu(xr), acc[kh * 3]);
+              acc[kh * 3 + 1] = at::vec::fmadd(gv, V::loadu(xr + 1), acc[kh * 3 + 1]);
+              acc[kh * 3 + 2] = at::vec::fmadd(gv, V::loadu(xr + 2), acc[kh * 3 + 2]);
+            }
+          }
+        }
+      }
+      if (gw) {
+        for (int t = 0; t < 9; ++t) gw[c * 9 + t] = static_cast<scalar_t>(lane_sum(acc[t]));
+      }
+      if (gb) gb[c] = static_cast<scalar_t>(lane_sum(accb));
+    }
+  });
+}
+
+constexpr int64_t kNhwcChunks = 64;
+
+// One NHWC output row's 10 sums for channels [c0, c0 + n) (n = L when Full)
+// into acc: xr[kh] are input rows oh - pad + kh (a row of zeros outside the
+// image), gr the grad_out row; the 3 x 3 input window walks along the row,
+// three new loads per pixel.
+template <typename scalar_t, bool Full>
+inline void dw_wgrad_nhwc_row(const scalar_t* const* xr, const scalar_t* gr, int64_t C, int64_t W, int64_t Wo,
+                              int64_t pad, int64_t c0, int n, at::vec::Vectorized<at::opmath_type<scalar_t>> (&acc)[10]) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  auto load = [&](const scalar_t* src) { return Full ? IO::load(src) : IO::load(src, n); };
+  V win[3][3];  // win[kh][kw]: input (oh - pad + kh, ow - pad + kw)
+  for (int kh = 0; kh < 3; ++kh)
+    for (int kw = 0; kw < 3; ++kw) {
+      const int64_t iw = kw - pad;
+      win[kh][kw] = iw >= 0 && iw < W ? load(xr[kh] + iw * C + c0) : V(0);
+    }
+  for (int64_t ow = 0; ow < Wo; ++ow) {
+    const V gv = load(gr + ow * C + c0);
+    for (int kh = 0; kh < 3; ++kh)
+      for (int kw = 0; kw < 3; ++kw) acc[kh * 3 + kw] = at::vec::fmadd(gv, win[kh][kw], acc[kh * 3 + kw]);
+    acc[9] = acc[9] + gv;
+    const int64_t iw = ow + 3 - pad;  // the next pixel's new column
+    const bool in = iw < W;
+    for (int kh = 0; kh < 3; ++kh) {
+      win[kh][0] = win[kh][1];
+      win[kh][1] = win[kh][2];
+      win[kh][2] = in ? load(xr[kh] + iw * C + c0) : V(0);
+    }
+  }
+}
+
+template <typename scalar_t>
+void dw_wgrad_nhwc(const conv::DwGradParams& p) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t L = V::size();
+  const auto* x = static_cast<const scalar_t*>(p.x);
+  const auto* g = static_cast<const scalar_t*>(p.g);
+  auto* gw = static_cast<scalar_t*>(p.gw);
+  auto* gb = static_cast<scalar_t*>(p.gb);
+  const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
+  const int64_t rows = p.N * Ho;
+  const int64_t chunks = std::min(rows, kNhwcChunks);
+  const int64_t Cp = (C + L - 1) / L * L;
+  const int64_t cfull = C / L * L;
+  // Rows outside the image read as this row of zeros.
+  const std::vector<scalar_t> zeros(W * C, scalar_t(0));
+  // part[chunk][t][c], t < 9 the taps, t = 9 the bias.
+  std::vector<opmath_t> part(chunks * 10 * Cp, opmath_t(0));
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ch = begin; ch < end; ++ch) {
+      opmath_t* pc = part.data() + ch * 10 * Cp;
+      const int64_t r0 = rows * ch / chunks, r1 = rows * (ch + 1) / chunks;
+      for (int64_t row = r0; row < r1; ++row) {
+        const int64_t n = row / Ho, oh = row % Ho;
+        const scalar_t* xr[3];
+        for (int kh = 0; kh < 3; ++kh) {
+          const int64_t ih = oh - pad + kh;
+          xr[kh] = ih >= 0 && ih < H ? x + (n * H + ih) * W * C : zeros.data();
+        }
+        const scalar_t* gr = g + row * Wo * C;
+        for (int64_t c0 = 0; c0 < C; c0 += L) {
+          V acc[10];
+          for (int t = 0; t < 10; ++t) acc[t] = V(opmath_t(0));
+          if (c0 < cfull) {
+            dw_wgrad_nhwc_row<scalar_t, true>(xr, gr, C, W, Wo, pad, c0, static_cast<int>(L), acc);
+          } else {
+            dw_wgrad_nhwc_row<scalar_t, false>(xr, gr, C, W, Wo, pad, c0, static_cast<int>(C - c0), acc);
+          }
+          for (int t = 0; t < 10; ++t) (V::loadu(pc + t * Cp + c0) + acc[t]).store(pc + t * Cp + c0);
+        }
+      }
+    }
+  });
+  // The chunks' partials, added in chunk order.
+  at::parallel_for(0, C, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      for (int t = 0; t < 10; ++t) {
+        opmath_t s = opmath_t(0);
+        for (int64_t ch = 0; ch < chunks; ++ch) s += part[(ch * 10 + t) * Cp + c];
+        if (t < 9) {
+          if (gw) gw[c * 9 + t] = static_cast<scalar_t>(s);
+        } else if (gb) {
+          gb[c] = static_cast<scalar_t>(s);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace conv_detail
+
+void conv_dw_wgrad_nchw(c10::ScalarType dtype, const conv::DwGradParams& p) {
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nchw", [&] { conv_detail::dw_wgrad_nchw<scalar_t>(p); });
+}
+
+void conv_dw_wgrad_nhwc(c10::ScalarType dtype, const conv::DwGradParams& p) {
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nhwc", [&] { conv_detail::dw_wgrad_nhwc<scalar_t>(p); });
+}
+
+}  // namespace opforge::cpu::CPU_CAPABILITY
