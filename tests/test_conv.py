@@ -380,6 +380,29 @@ def test_depthwise_backward_stride1(dtype, padding, relu, channels_last, c, devi
     assert x1.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_depthwise_backward_cpu_independent_of_threads(channels_last):
+    """The CPU weight and bias sums are added in an order fixed by the shape,
+    so one thread and several give the same bits."""
+    x = rand((3, 20, 29, 33), torch.float32)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = rand((20, 1, 3, 3), torch.float32), rand((20,), torch.float32)
+    out = opforge.conv2d_3x3(x, w, b, 1, 1, 20, "relu")
+    g = rand(out.shape, torch.float32)
+    op = torch.ops.opforge._conv2d_3x3_backward
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(g, out, x, w, 1, 1, 20, [True, True, True])
+        torch.set_num_threads(max(2, threads))
+        many = op(g, out, x, w, 1, 1, 20, [True, True, True])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b_ in zip(one, many):
+        assert torch.equal(a, b_)
+
+
 def test_double_backward_raises(device):
     x = rand((1, 2, 5, 5), torch.float64, device).requires_grad_()
     w = rand((2, 2, 3, 3), torch.float64, device).requires_grad_()

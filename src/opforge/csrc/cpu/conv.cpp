@@ -270,37 +270,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
 
 namespace {
 
-// Depthwise, stride 1, multiplier 1: grad x is the forward's loop run on the
-// masked grad_out with the kernel flipped and padding 2 - padding (its output
-// has x's shape); the weight and bias sums come from conv_dw_wgrad_*. All in
-// opmath, rounded once. (Through ATen, oneDNN's CPU depthwise backward ran at
+// Depthwise, stride 1, multiplier 1: grad x is the forward's loop run on
+// grad_out (masked by the ReLU's result as it is staged) with the kernel
+// flipped and padding 2 - padding (its output has x's shape); the weight and
+// bias sums come from conv_dw_wgrad_* (masking as they read). No masked copy
+// of grad_out is written. All in opmath, rounded once. (Through ATen, oneDNN's CPU depthwise backward ran at
 // a quarter of the forward's bandwidth.)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_s1(const at::Tensor& grad_out,
                                                                       const c10::optional<at::Tensor>& result,
                                                                       const at::Tensor& x_in, const at::Tensor& w_in,
-                                                                      const Geometry& g, std::array<bool, 3> mask) {
+                                                                      const Geometry& g, std::array<bool, 3> want) {
   const auto fmt = opforge::conv::out_format(x_in);
   const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
   const at::Tensor x = x_in.contiguous(fmt);
   const at::Tensor w = w_in.contiguous();
-  at::Tensor gm = (result.has_value() && result->defined()) ? opforge::conv::relu_masked_grad(grad_out, *result)
-                                                            : grad_out;
-  gm = gm.contiguous(fmt);
+  const at::Tensor go = grad_out.contiguous(fmt);
+  // The ReLU mask is applied by the loops as they read grad_out.
+  const at::Tensor res = (result.has_value() && result->defined()) ? result->contiguous(fmt) : at::Tensor();
+  const void* mask = res.defined() ? res.const_data_ptr() : nullptr;
   const auto dtype = x.scalar_type();
   auto empty = [&] { return at::empty({0}, x.options()); };
   at::Tensor gx = empty(), gw = empty(), gb = empty();
-  if (mask[0]) {
+  if (want[0]) {
     const at::Tensor wflip = w.flip({2, 3}).contiguous();
     gx = at::empty(x.sizes(), x.options().memory_format(fmt));
     const opforge::conv::DwParams p{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
-                                    gm.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr()};
+                                    go.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr(), mask};
     (nhwc ? OPFORGE_CPU_SELECT(conv_dw_nhwc) : OPFORGE_CPU_SELECT(conv_dw_nchw))(dtype, p);
   }
-  if (mask[1] || mask[2]) {
-    if (mask[1]) gw = at::empty(w.sizes(), w.options());
-    if (mask[2]) gb = at::empty({g.K}, x.options());
-    const opforge::conv::DwGradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, gm.const_data_ptr(), x.const_data_ptr(),
-                                        mask[1] ? gw.data_ptr() : nullptr, mask[2] ? gb.data_ptr() : nullptr};
+  if (want[1] || want[2]) {
+    if (want[1]) gw = at::empty(w.sizes(), w.options());
+    if (want[2]) gb = at::empty({g.K}, x.options());
+    const opforge::conv::DwGradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, go.const_data_ptr(), mask,
+                                        x.const_data_ptr(), want[1] ? gw.data_ptr() : nullptr,
+                                        want[2] ? gb.data_ptr() : nullptr};
     (nhwc ? OPFORGE_CPU_SELECT(conv_dw_wgrad_nhwc) : OPFORGE_CPU_SELECT(conv_dw_wgrad_nchw))(dtype, p);
   }
   return {gx, gw, gb};

@@ -4,7 +4,8 @@
 //
 // gw[c, kh, kw] = sum_{n, oh, ow} g[n, c, oh, ow] * x[n, c, oh - pad + kh, ow - pad + kw]
 // gb[c]         = sum_{n, oh, ow} g[n, c, oh, ow]
-// with g the (already masked) grad_out. Sums are kept in opmath vectors and
+// with g grad_out where the ReLU passed it (mask > 0 or NaN; all of it
+// without a mask). Sums are kept in opmath vectors and
 // added in an order fixed by the shape alone (not by the thread count), so a
 // result does not change from run to run.
 //
@@ -45,12 +46,14 @@ inline T lane_sum(const at::vec::Vectorized<T>& v) {
 
 template <typename scalar_t>
 void dw_wgrad_nchw(const conv::DwGradParams& p) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
   using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
   const auto* x = static_cast<const scalar_t*>(p.x);
   const auto* g = static_cast<const scalar_t*>(p.g);
+  const auto* mask = static_cast<const scalar_t*>(p.mask);
   auto* gw = static_cast<scalar_t*>(p.gw);
   auto* gb = static_cast<scalar_t*>(p.gb);
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
@@ -68,20 +71,38 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
       for (int t = 0; t < 9; ++t) acc[t] = V(opmath_t(0));
       for (int64_t n = 0; n < p.N; ++n) {
         const scalar_t* xp = x + (n * C + c) * H * W;
+        // This channel's next plane (the next image's, C planes on, or the
+        // next channel's first) is far from this one in memory: its rows are
+        // asked for while this plane's are used, so that they arrive in time
+        // (the hardware prefetchers follow only the current stream).
+        const int64_t next = n + 1 < p.N ? (n + 1) * C + c : (c + 1 < end ? c + 1 : -1);
+        auto prefetch = [&](const scalar_t* base, int64_t plane_elems, int64_t off, int64_t len) {
+          if (next < 0) return;
+          const scalar_t* q = base + next * plane_elems + off;
+          for (int64_t i = 0; i < len; i += kLine) __builtin_prefetch(q + i, 0, 3);
+        };
         for (int64_t ih = 0; ih < H; ++ih) {
           opmath_t* d = plane.data() + (ih + pad) * rowlen + pad;
           const scalar_t* xr = xp + ih * W;
+          prefetch(x, H * W, ih * W, W);
           int64_t iw = 0;
           for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
           if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
         }
         const scalar_t* gp = g + (n * C + c) * Ho * Wo;
+        const scalar_t* mp = mask ? mask + (n * C + c) * Ho * Wo : nullptr;
         for (int64_t oh = 0; oh < Ho; ++oh) {
-          // The grad_out row in opmath, zeros past Wo: the extra lanes add 0.
+          // The passed grad_out row in opmath, zeros past Wo: the extra
+          // lanes add 0.
           const scalar_t* gr = gp + oh * Wo;
+          const scalar_t* mr = mp ? mp + oh * Wo : nullptr;
+          prefetch(g, Ho * Wo, oh * Wo, Wo);
+          if (mask) prefetch(mask, Ho * Wo, oh * Wo, Wo);
           int64_t ow = 0;
-          for (; ow + L <= Wo; ow += L) IO::load(gr + ow).store(grow.data() + ow);
-          if (ow < Wo) IO::load(gr + ow, static_cast<int>(Wo - ow)).store(grow.data() + ow);
+          for (; ow + L <= Wo; ow += L) load_passed(gr + ow, mr ? mr + ow : nullptr).store(grow.data() + ow);
+          if (ow < Wo) {
+            load_passed(gr + ow, mr ? mr + ow : nullptr, static_cast<int>(Wo - ow)).store(grow.data() + ow);
+          }
           for (ow = 0; ow < wvec; ow += L) {
             const V gv = V::loadu(grow.data() + ow);
             accb = accb + gv;
@@ -105,13 +126,21 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
 
 constexpr int64_t kNhwcChunks = 64;
 
+// Asks for the cache lines of p[0, n).
+template <typename scalar_t>
+inline void prefetch_span(const scalar_t* p, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  for (int64_t i = 0; i < n; i += kLine) __builtin_prefetch(p + i, 0, 3);
+}
+
 // One NHWC output row's 10 sums for channels [c0, c0 + n) (n = L when Full)
 // into acc: xr[kh] are input rows oh - pad + kh (a row of zeros outside the
-// image), gr the grad_out row; the 3 x 3 input window walks along the row,
-// three new loads per pixel.
+// image), gr the grad_out row and mr its mask row (or null); the 3 x 3 input
+// window walks along the row, three new loads per pixel.
 template <typename scalar_t, bool Full>
-inline void dw_wgrad_nhwc_row(const scalar_t* const* xr, const scalar_t* gr, int64_t C, int64_t W, int64_t Wo,
-                              int64_t pad, int64_t c0, int n, at::vec::Vectorized<at::opmath_type<scalar_t>> (&acc)[10]) {
+inline void dw_wgrad_nhwc_row(const scalar_t* const* xr, const scalar_t* gr, const scalar_t* mr, int64_t C, int64_t W,
+                              int64_t Wo, int64_t pad, int64_t c0, int n,
+                              at::vec::Vectorized<at::opmath_type<scalar_t>> (&acc)[10]) {
   using IO = VecIo<scalar_t>;
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   auto load = [&](const scalar_t* src) { return Full ? IO::load(src) : IO::load(src, n); };
@@ -122,7 +151,8 @@ inline void dw_wgrad_nhwc_row(const scalar_t* const* xr, const scalar_t* gr, int
       win[kh][kw] = iw >= 0 && iw < W ? load(xr[kh] + iw * C + c0) : V(0);
     }
   for (int64_t ow = 0; ow < Wo; ++ow) {
-    const V gv = load(gr + ow * C + c0);
+    const int64_t o = ow * C + c0;
+    const V gv = Full ? load_passed(gr + o, mr ? mr + o : nullptr) : load_passed(gr + o, mr ? mr + o : nullptr, n);
     for (int kh = 0; kh < 3; ++kh)
       for (int kw = 0; kw < 3; ++kw) acc[kh * 3 + kw] = at::vec::fmadd(gv, win[kh][kw], acc[kh * 3 + kw]);
     acc[9] = acc[9] + gv;
@@ -143,6 +173,7 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
   constexpr int64_t L = V::size();
   const auto* x = static_cast<const scalar_t*>(p.x);
   const auto* g = static_cast<const scalar_t*>(p.g);
+  const auto* mask = static_cast<const scalar_t*>(p.mask);
   auto* gw = static_cast<scalar_t*>(p.gw);
   auto* gb = static_cast<scalar_t*>(p.gb);
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
@@ -166,13 +197,22 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
           xr[kh] = ih >= 0 && ih < H ? x + (n * H + ih) * W * C : zeros.data();
         }
         const scalar_t* gr = g + row * Wo * C;
+        const scalar_t* mr = mask ? mask + row * Wo * C : nullptr;
+        // The next row's new input row and grad_out (and mask) row, asked
+        // for while this row's channel vectors are walked.
+        if (row + 1 < r1) {
+          const int64_t nn = (row + 1) / Ho, ih = (row + 1) % Ho - pad + 2;
+          if (ih >= 0 && ih < H) prefetch_span(x + (nn * H + ih) * W * C, W * C);
+          prefetch_span(gr + Wo * C, Wo * C);
+          if (mr) prefetch_span(mr + Wo * C, Wo * C);
+        }
         for (int64_t c0 = 0; c0 < C; c0 += L) {
           V acc[10];
           for (int t = 0; t < 10; ++t) acc[t] = V(opmath_t(0));
           if (c0 < cfull) {
-            dw_wgrad_nhwc_row<scalar_t, true>(xr, gr, C, W, Wo, pad, c0, static_cast<int>(L), acc);
+            dw_wgrad_nhwc_row<scalar_t, true>(xr, gr, mr, C, W, Wo, pad, c0, static_cast<int>(L), acc);
           } else {
-            dw_wgrad_nhwc_row<scalar_t, false>(xr, gr, C, W, Wo, pad, c0, static_cast<int>(C - c0), acc);
+            dw_wgrad_nhwc_row<scalar_t, false>(xr, gr, mr, C, W, Wo, pad, c0, static_cast<int>(C - c0), acc);
           }
           for (int t = 0; t < 10; ++t) (V::loadu(pc + t * Cp + c0) + acc[t]).store(pc + t * Cp + c0);
         }

@@ -129,6 +129,25 @@ struct VecIo {
   }
 };
 
+// A vector of p's values where the ReLU passed the gradient (mask > 0, or
+// NaN: relu's backward zeroes only where its result is <= 0), else 0; the
+// counted form reads n values. mask null: p's values.
+template <typename scalar_t>
+inline at::vec::Vectorized<at::opmath_type<scalar_t>> load_passed(const scalar_t* p, const scalar_t* mask) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  const V v = IO::load(p);
+  return mask ? V::blendv(v, V(0), IO::load(mask) <= V(0)) : v;
+}
+
+template <typename scalar_t>
+inline at::vec::Vectorized<at::opmath_type<scalar_t>> load_passed(const scalar_t* p, const scalar_t* mask, int n) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  const V v = IO::load(p, n);
+  return mask ? V::blendv(v, V(0), IO::load(mask, n) <= V(0)) : v;
+}
+
 // Stride-1 taps of one staged row at column ow: x0 = R[ow..], x1 = R[ow+1..],
 // x2 = R[ow+2..]. With AVX-512 the rows are 64-byte aligned and the shifted
 // vectors are built from two aligned loads with valign (two unaligned loads
@@ -313,6 +332,7 @@ void dw_nchw(const conv::DwParams& p) {
       const int64_t oh1 = std::min(Ho, oh0 + rows_per_item);
       const int64_t n = nc / p.C, c = nc % p.C;
       const scalar_t* xp = x + nc * H * W;
+      const scalar_t* mp = p.mask ? static_cast<const scalar_t*>(p.mask) + nc * H * W : nullptr;
       // Padded rows [first, next) are staged; rows up to `limit` are needed.
       int64_t next = oh0 * s;
       const int64_t limit = (oh1 - 1) * s + 3;
@@ -333,8 +353,14 @@ void dw_nchw(const conv::DwParams& p) {
           opmath_t* t = s == 1 ? row : split;
           opmath_t* d = t + pad;
           int64_t iw = 0;
-          for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
-          if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+          if (mp) {
+            const scalar_t* mr = mp + ih * W;
+            for (; iw + L <= W; iw += L) load_passed(xr + iw, mr + iw).store(d + iw);
+            if (iw < W) load_passed(xr + iw, mr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+          } else {
+            for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
+            if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+          }
           // Padding columns (2 for the backward's grad x of a padding-0 conv).
           std::fill(t, t + pad, opmath_t(0));
           std::fill(t + pad + W, t + Wp, opmath_t(0));
@@ -542,6 +568,8 @@ void dw_nhwc(const conv::DwParams& p) {
     // repeated m times (channel k of a repeated row is input channel k / m),
     // so the same loops as for m = 1 run on them with C = K.
     std::vector<scalar_t> rep(m == 1 ? 0 : 5 * W * K);
+    // With a mask (the backward's grad x): the pass's input rows, masked.
+    std::vector<scalar_t> passed(p.mask ? 5 * W * C : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / pairs, oh0 = (item % pairs) * 2;
       const int R = oh0 + 1 < Ho ? 2 : 1;
@@ -554,6 +582,25 @@ void dw_nhwc(const conv::DwParams& p) {
       const int64_t ih_next = oh0 * s - pad + (R - 1) * s + 3;  // first input row the next pass adds
       int64_t next_avail = ih_next < 0 ? 0 : std::min<int64_t>(R * s, H - ih_next);
       const scalar_t* next_rows = next_avail > 0 ? x + ((n * H + ih_next) * W) * C : nullptr;
+      if (p.mask) {
+        using IO = VecIo<scalar_t>;
+        const auto* mask = static_cast<const scalar_t*>(p.mask);
+        const int nr = (R - 1) * static_cast<int>(s) + 3;
+        for (int i = 0; i < nr; ++i) {
+          if (!rows[i]) continue;
+          const scalar_t* mr = mask + (rows[i] - x);
+          scalar_t* d = passed.data() + i * W * C;
+          int64_t q = 0;
+          for (; q + L <= W * C; q += L) IO::store(d + q, load_passed(rows[i] + q, mr + q));
+          if (q < W * C) {
+            const int n_ = static_cast<int>(W * C - q);
+            IO::store(d + q, load_passed(rows[i] + q, mr + q, n_), n_);
+          }
+          rows[i] = d;
+        }
+        next_rows = nullptr;  // prefetches would fetch the unmasked rows
+        next_avail = 0;
+      }
       int64_t Ceff = C;
       if (m > 1) {
         const int nr = (R - 1) * static_cast<int>(s) + 3;

@@ -12,12 +12,17 @@ struct DwParams {
   const void* w;  // (K, 1, 3, 3) contiguous
   const void* b;  // (K) or nullptr
   void* out;      // (N, K, Ho, Wo) contiguous, or (N, Ho, Wo, K)
+  // The backward's grad x runs this loop on grad_out: with `mask` (the
+  // forward's ReLU result, x's shape and layout) an input value counts only
+  // where mask > 0 (or is NaN), as relu's backward passes it.
+  const void* mask = nullptr;
 };
 
 // The depthwise weight / bias gradient loops (stride 1, multiplier 1).
 struct DwGradParams {
   int64_t N, C, H, W, Ho, Wo, pad;
-  const void* g;  // masked grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
+  const void* g;     // grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
+  const void* mask;  // the ReLU's result, g's shape and layout, or nullptr: g counts where mask > 0 (or NaN)
   const void* x;  // (N, C, H, W) contiguous, or (N, H, W, C)
   void* gw;       // (C, 1, 3, 3), or nullptr
   void* gb;       // (C), or nullptr
