@@ -403,6 +403,46 @@ def test_depthwise_backward_cpu_independent_of_threads(channels_last):
         assert torch.equal(a, b_)
 
 
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_depthwise_backward_every_cpu_isa(capability):
+    """The CPU depthwise backward's loops are separate machine code per ISA
+    (AVX-512 walks two rows at once): each against float64, picked the way
+    torch picks its own (ATEN_CPU_CAPABILITY caps the choice)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import math, torch, torch.nn.functional as F, opforge
+for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
+    for cl in (False, True):
+        for pad in (0, 1):
+            for c in (20, 6):
+                x = torch.randn(2, c, 13, 17, dtype=torch.float64).to(dtype)
+                if cl:
+                    x = x.to(memory_format=torch.channels_last)
+                w = torch.randn(c, 1, 3, 3, dtype=torch.float64).to(dtype)
+                b = torch.randn(c, dtype=torch.float64).to(dtype)
+                y = opforge.conv2d_3x3(x, w, b, 1, pad, c, "relu")
+                g = torch.randn(y.shape, dtype=torch.float64).to(dtype)
+                ours = torch.ops.opforge._conv2d_3x3_backward(g, y, x, w, 1, pad, c, [True, True, True])
+                xd, wd, bd = (t.double().requires_grad_() for t in (x, w, b))
+                F.conv2d(xd, wd, bd, 1, pad, 1, c).backward(g.double() * (y.double() > 0))
+                terms = y.shape[0] * y.shape[2] * y.shape[3]
+                for o, r, n in ((ours[0], xd.grad, 9), (ours[1], wd.grad, terms), (ours[2], bd.grad, terms)):
+                    err = (o.double() - r).abs().max().item()
+                    # the dtype's tolerance grown like a sum of n terms, plus (bfloat16)
+                    # the rounding of the result itself
+                    tol = atol * math.sqrt(n) * 2 + 2.0**-8 * r.abs().max().item() * (dtype == torch.bfloat16)
+                    assert err <= tol, (dtype, cl, pad, c, err, tol)
+print("ok", torch.backends.cpu.get_cpu_capability())
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok")
+
+
 def test_double_backward_raises(device):
     x = rand((1, 2, 5, 5), torch.float64, device).requires_grad_()
     w = rand((2, 2, 3, 3), torch.float64, device).requires_grad_()

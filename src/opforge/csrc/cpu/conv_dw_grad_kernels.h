@@ -13,10 +13,11 @@
 //   staged once into zero-padded opmath rows, then every grad_out row adds
 //   its 9 tap products along W (3 staged rows x 3 shifted loads).
 // - NHWC: vectorised along the channels; the N * Ho output rows are cut into
-//   at most kNhwcChunks chunks (their count fixed by the shape), each
-//   summing into its own (10, K) partials while one channel vector walks a
-//   row with the 3 x 3 input window in registers (3 new loads per pixel);
-//   the partials are added chunk by chunk at the end.
+//   at most kNhwcChunks chunks of 4 rows or more (their count fixed by the
+//   shape), each summing into its own (10, K) partials while one channel
+//   vector walks two rows (AVX-512; one elsewhere) with the input window in
+//   registers (4 new loads per pixel for 18 products); the partials are
+//   added chunk by chunk at the end.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -125,43 +126,56 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
 }
 
 constexpr int64_t kNhwcChunks = 64;
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kPairRows = true;
+#else
+constexpr bool kPairRows = false;  // 16 vector registers: one row at a time
+#endif
 
-// Asks for the cache lines of p[0, n).
+// Asks for the cache lines of p[0, n), into L2 (a pass's rows outgrow L1).
 template <typename scalar_t>
 inline void prefetch_span(const scalar_t* p, int64_t n) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
-  for (int64_t i = 0; i < n; i += kLine) __builtin_prefetch(p + i, 0, 3);
+  for (int64_t i = 0; i < n; i += kLine) __builtin_prefetch(p + i, 0, 2);
 }
 
-// One NHWC output row's 10 sums for channels [c0, c0 + n) (n = L when Full)
-// into acc: xr[kh] are input rows oh - pad + kh (a row of zeros outside the
-// image), gr the grad_out row and mr its mask row (or null); the 3 x 3 input
-// window walks along the row, three new loads per pixel.
-template <typename scalar_t, bool Full>
-inline void dw_wgrad_nhwc_row(const scalar_t* const* xr, const scalar_t* gr, const scalar_t* mr, int64_t C, int64_t W,
-                              int64_t Wo, int64_t pad, int64_t c0, int n,
-                              at::vec::Vectorized<at::opmath_type<scalar_t>> (&acc)[10]) {
+// R consecutive NHWC output rows' contribution to the 10 sums of channels
+// [c0, c0 + n) (n = L when Full), added into acc: xr[i] are input rows
+// oh - pad + i (i < R + 2; a row of zeros outside the image), gr[r] / mr[r]
+// output row oh + r's grad_out and mask rows (mask rows may be null). The
+// input window (R + 2 rows x 3 columns) walks along the rows, R + 2 new
+// loads per pixel for 9 R products: two rows at once share half the loads.
+template <typename scalar_t, int R, bool Full>
+inline void dw_wgrad_nhwc_rows(const scalar_t* const* xr, const scalar_t* const* gr, const scalar_t* const* mr,
+                               int64_t C, int64_t W, int64_t Wo, int64_t pad, int64_t c0, int n,
+                               at::vec::Vectorized<at::opmath_type<scalar_t>> (&acc)[10]) {
   using IO = VecIo<scalar_t>;
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  constexpr int NR = R + 2;
   auto load = [&](const scalar_t* src) { return Full ? IO::load(src) : IO::load(src, n); };
-  V win[3][3];  // win[kh][kw]: input (oh - pad + kh, ow - pad + kw)
-  for (int kh = 0; kh < 3; ++kh)
+  auto passed = [&](const scalar_t* src, const scalar_t* m) {
+    return Full ? load_passed(src, m) : load_passed(src, m, n);
+  };
+  V win[NR][3];  // win[i][kw]: input (oh - pad + i, ow - pad + kw)
+  for (int i = 0; i < NR; ++i)
     for (int kw = 0; kw < 3; ++kw) {
       const int64_t iw = kw - pad;
-      win[kh][kw] = iw >= 0 && iw < W ? load(xr[kh] + iw * C + c0) : V(0);
+      win[i][kw] = iw >= 0 && iw < W ? load(xr[i] + iw * C + c0) : V(0);
     }
   for (int64_t ow = 0; ow < Wo; ++ow) {
     const int64_t o = ow * C + c0;
-    const V gv = Full ? load_passed(gr + o, mr ? mr + o : nullptr) : load_passed(gr + o, mr ? mr + o : nullptr, n);
-    for (int kh = 0; kh < 3; ++kh)
-      for (int kw = 0; kw < 3; ++kw) acc[kh * 3 + kw] = at::vec::fmadd(gv, win[kh][kw], acc[kh * 3 + kw]);
-    acc[9] = acc[9] + gv;
+    for (int r = 0; r < R; ++r) {
+      const V gv = passed(gr[r] + o, mr[r] ? mr[r] + o : nullptr);
+      for (int kh = 0; kh < 3; ++kh)
+        for (int kw = 0; kw < 3; ++kw) acc[kh * 3 + kw] = at::vec::fmadd(gv, win[r + kh][kw], acc[kh * 3 + kw]);
+      acc[9] = acc[9] + gv;
+    }
     const int64_t iw = ow + 3 - pad;  // the next pixel's new column
     const bool in = iw < W;
-    for (int kh = 0; kh < 3; ++kh) {
-      win[kh][0] = win[kh][1];
-      win[kh][1] = win[kh][2];
-      win[kh][2] = in ? load(xr[kh] + iw * C + c0) : V(0);
+    for (int i = 0; i < NR; ++i) {
+      win[i][0] = win[i][1];
+      win[i][1] = win[i][2];
+      win[i][2] = in ? load(xr[i] + iw * C + c0) : V(0);
     }
   }
 }
@@ -178,7 +192,8 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
   auto* gb = static_cast<scalar_t*>(p.gb);
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
   const int64_t rows = p.N * Ho;
-  const int64_t chunks = std::min(rows, kNhwcChunks);
+  // Chunks of at least 4 rows (two passes of two), at most kNhwcChunks.
+  const int64_t chunks = std::max<int64_t>(1, std::min(rows / 4, kNhwcChunks));
   const int64_t Cp = (C + L - 1) / L * L;
   const int64_t cfull = C / L * L;
   // Rows outside the image read as this row of zeros.
@@ -189,33 +204,41 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
     for (int64_t ch = begin; ch < end; ++ch) {
       opmath_t* pc = part.data() + ch * 10 * Cp;
       const int64_t r0 = rows * ch / chunks, r1 = rows * (ch + 1) / chunks;
-      for (int64_t row = r0; row < r1; ++row) {
+      for (int64_t row = r0; row < r1;) {
         const int64_t n = row / Ho, oh = row % Ho;
-        const scalar_t* xr[3];
-        for (int kh = 0; kh < 3; ++kh) {
-          const int64_t ih = oh - pad + kh;
-          xr[kh] = ih >= 0 && ih < H ? x + (n * H + ih) * W * C : zeros.data();
+        // Two output rows of one image at once where the chunk has them
+        // (AVX-512: 24 of its 32 vector registers; one row elsewhere).
+        const int R = kPairRows && row + 1 < r1 && oh + 1 < Ho ? 2 : 1;
+        const scalar_t* xr[4];
+        for (int i = 0; i < R + 2; ++i) {
+          const int64_t ih = oh - pad + i;
+          xr[i] = ih >= 0 && ih < H ? x + (n * H + ih) * W * C : zeros.data();
         }
-        const scalar_t* gr = g + row * Wo * C;
-        const scalar_t* mr = mask ? mask + row * Wo * C : nullptr;
-        // The next row's new input row and grad_out (and mask) row, asked
-        // for while this row's channel vectors are walked.
-        if (row + 1 < r1) {
-          const int64_t nn = (row + 1) / Ho, ih = (row + 1) % Ho - pad + 2;
+        const scalar_t* gr[2] = {g + row * Wo * C, g + (row + 1) * Wo * C};
+        const scalar_t* mr[2] = {mask ? mask + row * Wo * C : nullptr, mask ? mask + (row + 1) * Wo * C : nullptr};
+        // The next pass's new input rows and grad_out (and mask) rows, asked
+        // for while this pass's channel vectors are walked.
+        for (int64_t q = row + R; q < std::min(r1, row + 2 * R); ++q) {
+          const int64_t nn = q / Ho, ih = q % Ho - pad + 2;
           if (ih >= 0 && ih < H) prefetch_span(x + (nn * H + ih) * W * C, W * C);
-          prefetch_span(gr + Wo * C, Wo * C);
-          if (mr) prefetch_span(mr + Wo * C, Wo * C);
+          prefetch_span(g + q * Wo * C, Wo * C);
+          if (mask) prefetch_span(mask + q * Wo * C, Wo * C);
         }
         for (int64_t c0 = 0; c0 < C; c0 += L) {
           V acc[10];
           for (int t = 0; t < 10; ++t) acc[t] = V(opmath_t(0));
-          if (c0 < cfull) {
-            dw_wgrad_nhwc_row<scalar_t, true>(xr, gr, mr, C, W, Wo, pad, c0, static_cast<int>(L), acc);
+          const bool full = c0 < cfull;
+          const int cnt = full ? static_cast<int>(L) : static_cast<int>(C - c0);
+          if (R == 2) {
+            if (full) dw_wgrad_nhwc_rows<scalar_t, 2, true>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            else dw_wgrad_nhwc_rows<scalar_t, 2, false>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
           } else {
-            dw_wgrad_nhwc_row<scalar_t, false>(xr, gr, mr, C, W, Wo, pad, c0, static_cast<int>(C - c0), acc);
+            if (full) dw_wgrad_nhwc_rows<scalar_t, 1, true>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            else dw_wgrad_nhwc_rows<scalar_t, 1, false>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
           }
           for (int t = 0; t < 10; ++t) (V::loadu(pc + t * Cp + c0) + acc[t]).store(pc + t * Cp + c0);
         }
+        row += R;
       }
     }
   });
