@@ -94,6 +94,22 @@ inline at::Tensor empty_output(const Geometry& g, const ForwardOperands& o) {
   return at::empty({g.N, g.K, g.Ho, g.Wo}, o.x.options().memory_format(o.fmt));
 }
 
+// The direct backward kernels' operands: x, grad_out and the fused ReLU's
+// result (undefined without one) in the output's memory format, weight
+// contiguous.
+struct BackwardOperands {
+  at::MemoryFormat fmt;
+  bool nhwc;
+  at::Tensor x, w, grad_out, result;
+};
+
+inline BackwardOperands backward_operands(const at::Tensor& grad_out, const c10::optional<at::Tensor>& result,
+                                          const at::Tensor& x, const at::Tensor& w) {
+  const auto fmt = out_format(x);
+  return {fmt, fmt == at::MemoryFormat::ChannelsLast, x.contiguous(fmt), w.contiguous(), grad_out.contiguous(fmt),
+          (result.has_value() && result->defined()) ? result->contiguous(fmt) : at::Tensor()};
+}
+
 inline void check_backward_args(const char* op, const at::Tensor& grad_out, const c10::optional<at::Tensor>& result,
                                 const at::Tensor& x, const Geometry& g) {
   check_float_tensor(grad_out, op, "grad_out");

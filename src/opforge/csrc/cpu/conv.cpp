@@ -280,14 +280,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_s1(const at::T
                                                                       const c10::optional<at::Tensor>& result,
                                                                       const at::Tensor& x_in, const at::Tensor& w_in,
                                                                       const Geometry& g, std::array<bool, 3> want) {
-  const auto fmt = opforge::conv::out_format(x_in);
-  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
-  const at::Tensor x = x_in.contiguous(fmt);
-  const at::Tensor w = w_in.contiguous();
-  const at::Tensor go = grad_out.contiguous(fmt);
+  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
+  const at::MemoryFormat fmt = o.fmt;
+  const bool nhwc = o.nhwc;
+  const at::Tensor &x = o.x, &w = o.w, &go = o.grad_out;
   // The ReLU mask is applied by the loops as they read grad_out.
-  const at::Tensor res = (result.has_value() && result->defined()) ? result->contiguous(fmt) : at::Tensor();
-  const void* mask = res.defined() ? res.const_data_ptr() : nullptr;
+  const void* mask = o.result.defined() ? o.result.const_data_ptr() : nullptr;
   const auto dtype = x.scalar_type();
   auto empty = [&] { return at::empty({0}, x.options()); };
   at::Tensor gx = empty(), gw = empty(), gb = empty();

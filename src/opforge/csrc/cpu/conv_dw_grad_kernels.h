@@ -35,6 +35,19 @@
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace conv_detail {
 
+// DwGradParams' pointers as scalar_t.
+template <typename scalar_t>
+struct GradPtrs {
+  const scalar_t *x, *g, *mask;
+  scalar_t *gw, *gb;
+  explicit GradPtrs(const conv::DwGradParams& p)
+      : x(static_cast<const scalar_t*>(p.x)),
+        g(static_cast<const scalar_t*>(p.g)),
+        mask(static_cast<const scalar_t*>(p.mask)),
+        gw(static_cast<scalar_t*>(p.gw)),
+        gb(static_cast<scalar_t*>(p.gb)) {}
+};
+
 // The lanes of v added in lane order.
 template <typename T>
 inline T lane_sum(const at::vec::Vectorized<T>& v) {
@@ -52,11 +65,9 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const auto* x = static_cast<const scalar_t*>(p.x);
-  const auto* g = static_cast<const scalar_t*>(p.g);
-  const auto* mask = static_cast<const scalar_t*>(p.mask);
-  auto* gw = static_cast<scalar_t*>(p.gw);
-  auto* gb = static_cast<scalar_t*>(p.gb);
+  const GradPtrs<scalar_t> ptr(p);
+  const scalar_t *x = ptr.x, *g = ptr.g, *mask = ptr.mask;
+  scalar_t *gw = ptr.gw, *gb = ptr.gb;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
   const int64_t Wp = W + 2 * pad, Hp = H + 2 * pad;
   const int64_t wvec = (Wo + L - 1) / L * L;  // grad_out columns, whole vectors
@@ -185,11 +196,9 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const auto* x = static_cast<const scalar_t*>(p.x);
-  const auto* g = static_cast<const scalar_t*>(p.g);
-  const auto* mask = static_cast<const scalar_t*>(p.mask);
-  auto* gw = static_cast<scalar_t*>(p.gw);
-  auto* gb = static_cast<scalar_t*>(p.gb);
+  const GradPtrs<scalar_t> ptr(p);
+  const scalar_t *x = ptr.x, *g = ptr.g, *mask = ptr.mask;
+  scalar_t *gw = ptr.gw, *gb = ptr.gb;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
   const int64_t rows = p.N * Ho;
   // Chunks of at least 4 rows (two passes of two), at most kNhwcChunks.

@@ -188,12 +188,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x_in, g);
   const c10::cuda::CUDAGuard guard(x_in.device());
   if (!g.depthwise) return opforge::conv::backward_via_aten(grad_out, result, x_in, w_in, g, mask);
-  const auto fmt = opforge::conv::out_format(x_in);
-  const bool nhwc = fmt == at::MemoryFormat::ChannelsLast;
-  const at::Tensor x = x_in.contiguous(fmt);
-  const at::Tensor w = w_in.contiguous();
-  const at::Tensor go = grad_out.contiguous(fmt);
-  const at::Tensor res = (result.has_value() && result->defined()) ? result->contiguous(fmt) : at::Tensor();
+  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
+  const at::MemoryFormat fmt = o.fmt;
+  const bool nhwc = o.nhwc;
+  const at::Tensor &x = o.x, &w = o.w, &go = o.grad_out, &res = o.result;
   auto empty = [&] { return at::empty({0}, x.options()); };
   at::Tensor gx = mask[0] ? at::empty(x.sizes(), x.options().memory_format(fmt)) : empty();
   at::Tensor gw = mask[1] ? at::empty(w.sizes(), w.options()) : at::Tensor();
