@@ -218,6 +218,31 @@ def test_nan_propagates(device):
     assert out[0, 0, 1:4, 1:4].isnan().all() and not out[0, 1].isnan().any()
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_depthwise_backward_nan_output_passes_gradient(channels_last, dtype, device):
+    """Where the fused ReLU's output is NaN, its backward passes the gradient,
+    as torch's ReLU backward does (it zeroes only where the output is <= 0)."""
+    c = 8
+    x = rand((2, c, 9, 10), dtype, device)
+    x[0, 0, 4, 4] = float("nan")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device)
+    out = opforge.conv2d_3x3(x, w, b, 1, 1, c, "relu")
+    assert out.isnan().any()
+    g = rand(out.shape, dtype, device)
+    gx, _, gb = torch.ops.opforge._conv2d_3x3_backward(g, out, x, w, 1, 1, c, [True, True, True])
+    passed = g.double().cpu() * ~(out.cpu() <= 0)
+    wd = w.double().cpu().requires_grad_()
+    xd = torch.zeros(x.shape, dtype=torch.float64).requires_grad_()
+    F.conv2d(xd, wd, None, 1, 1, 1, c).backward(passed)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(gx.cpu().double(), xd.grad, atol=atol * 3, rtol=rtol)
+    plane = out.shape[0] * out.shape[2] * out.shape[3]
+    torch.testing.assert_close(gb.cpu().double(), passed.sum((0, 2, 3)), atol=_reduction_atol(dtype, plane), rtol=rtol)
+
+
 # --------------------------------------------------------------------------- errors
 
 

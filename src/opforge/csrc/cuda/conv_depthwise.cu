@@ -28,7 +28,6 @@
 
 #include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
-#include <opforge/cuda_loops.cuh>
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
 
@@ -758,13 +757,15 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __res
 
 // ---------------------------------------------------------------- backward: grad x
 
-// grad_out where the fused ReLU passed its input (result > 0; a NaN result
-// passes nothing), else 0; without a fused ReLU (res null) grad_out itself.
+// grad_out where the fused ReLU passed it, else 0: zero where result <= 0,
+// as torch's ReLU backward (threshold_backward) and the add family's
+// ReluBackward do (a NaN result passes the gradient); without a fused ReLU
+// (res null) grad_out itself.
 template <typename opmath_t, typename scalar_t, typename I>
 __device__ __forceinline__ opmath_t masked_grad(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
                                                 I off) {
   const opmath_t v = static_cast<opmath_t>(g[off]);
-  return res != nullptr && !(static_cast<opmath_t>(res[off]) > opmath_t(0)) ? opmath_t(0) : v;
+  return res != nullptr && static_cast<opmath_t>(res[off]) <= opmath_t(0) ? opmath_t(0) : v;
 }
 
 // One thread per element of grad x (in x's layout order):
@@ -1093,7 +1094,7 @@ __device__ __forceinline__ void load_masked_grad(const scalar_t* __restrict__ g,
     if (res != nullptr) {
       const auto rv = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(res + off);
 #pragma unroll
-      for (int e = 0; e < V; ++e) out[e] = static_cast<float>(rv.val[e]) > 0.f ? out[e] : 0.f;
+      for (int e = 0; e < V; ++e) out[e] = static_cast<float>(rv.val[e]) <= 0.f ? 0.f : out[e];  // as masked_grad
     }
   } else {
 #pragma unroll
@@ -1348,7 +1349,7 @@ __global__ void __launch_bounds__(kFusedThreads, 3) dw_bwd_fused_nhwc_s1(const s
               float rv[V];
               widen4(rt + off + kw * a.CB, rv);
 #pragma unroll
-              for (int e = 0; e < V; ++e) gr[kw][e] = rv[e] > 0.f ? gr[kw][e] : 0.f;
+              for (int e = 0; e < V; ++e) gr[kw][e] = rv[e] <= 0.f ? 0.f : gr[kw][e];  // as masked_grad
             }
           }
         } else {
@@ -1704,15 +1705,6 @@ bool staged_s1_applies(const Geometry& g, bool nhwc, at::ScalarType dtype) {
   return g.stride == 1 && g.mult == 1 && dtype != at::kDouble && (!nhwc || g.C % 4 == 0);
 }
 
-// g' = grad_out where the fused ReLU passed its input (result > 0; a NaN
-// result passes nothing, as masked_grad), else 0.
-struct PassedGrad {
-  template <typename T>
-  __device__ T operator()(T grad, T result) const {
-    return result > T(0) ? grad : T(0);
-  }
-};
-
 DwArgs base_args(const Geometry& g) {
   DwArgs a{};
   a.N = g.N; a.C = g.C; a.H = g.H; a.W = g.W; a.K = g.K; a.Ho = g.Ho; a.Wo = g.Wo;
@@ -2013,11 +2005,10 @@ void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& resul
     // reads grad_out from global memory, masks it on the way when grad x is
     // not asked for. (On the H200 staging grad_out for the NCHW weight
     // gradient ran slower: the two stages halve the rows per block.)
-    gm = at::empty_like(grad_out);
-    OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_mask", [&] {
-      opforge::cuda::binary_contiguous<scalar_t>(gm.mutable_data_ptr<scalar_t>(), grad_out.const_data_ptr<scalar_t>(),
-                                                 result.const_data_ptr<scalar_t>(), grad_out.numel(), PassedGrad{});
-    });
+    // The add family's fused ReLU-backward kernel (the CPU and dense paths'
+    // mask too), kept in x's layout.
+    gm = relu_masked_grad(grad_out, result)
+             .contiguous(nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
     res = at::Tensor();
   }
   if (grad_x.defined()) {
