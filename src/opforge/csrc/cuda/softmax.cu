@@ -155,22 +155,14 @@ struct SumOp {
   }
 };
 
-// The reduction over the group's threads in this warp (all of the group
-// when G <= 32): shuffles only.
-template <typename A, typename Op>
-__device__ __forceinline__ A warp_group_reduce(A v, int G, Op op) {
-  const int width = G < 32 ? G : 32;
-  for (int off = width / 2; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-
 // Reduction over a group of G threads (G a power of two, consecutive thread
 // ids). Every thread of the block must call it (it may synchronise the block
 // when G > 32); every thread of the group gets the result. `smem` holds 32
 // values.
 template <typename A, typename Op>
 __device__ __forceinline__ A group_reduce(A v, int G, Op op, A* smem) {
-  v = warp_group_reduce(v, G, op);
+  const int width = G < 32 ? G : 32;
+  for (int off = width / 2; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
   if (G <= 32) return v;
   const int warp = threadIdx.x / 32;
   __syncthreads();  // smem may still be read by a previous reduction
@@ -266,34 +258,6 @@ __device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
   for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
   gm = mm;
   gs = t;
-}
-
-// A group's (max, sum of exp) from its warps' (G > 32): each warp passes
-// its own max m and the sum of exp(x - m) over its values; every thread
-// gets M = max m_w and S = sum s_w * exp(m_w - M), a warp whose values are
-// all -inf contributing nothing. One block barrier round, where reducing
-// the group's max and then its sum took two. `smem` holds 64 values. (The
-// warps' pairs are combined by each thread in a loop: combining them by
-// shuffles made the 64-value bfloat16 forward spill.)
-template <typename A>
-__device__ __forceinline__ void block_max_sum(A& m, A& s, int G, A* smem) {
-  const int warp = threadIdx.x / 32;
-  __syncthreads();  // smem may still be read by a previous reduction
-  if (threadIdx.x % 32 == 0) {
-    smem[2 * warp] = m;
-    smem[2 * warp + 1] = s;
-  }
-  __syncthreads();
-  const int nw = G / 32;
-  const A* p = smem + 2 * div_group(threadIdx.x, G) * nw;
-  A gm = p[0];
-  for (int i = 1; i < nw; ++i) gm = max_nan(gm, p[2 * i]);
-  A gs = 0;
-  for (int i = 0; i < nw; ++i) {
-    if (p[2 * i] != neg_inf<A>()) gs += p[2 * i + 1] * dev_exp(p[2 * i] - gm);
-  }
-  m = gm;
-  s = gs;
 }
 
 // The sum of one value per block of the cluster (see cluster_max_sum).
@@ -467,19 +431,16 @@ template <typename T, int V, int IT, sm::Mode MODE>
 __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segment& s, int G, int phase,
                                                int64_t row0, Acc<T>* partials, int nchunks, Acc<T>* smem) {
   using A = Acc<T>;
-  // The max over the thread's values, then over its warp's part of the group.
+  // max over the segment
   A m = neg_inf<A>();
 #pragma unroll
   for (int it = 0; it < IT; ++it)
 #pragma unroll
     for (int v = 0; v < V; ++v) m = max_nan(m, vals[it][v]);
-  m = warp_group_reduce(m, G, MaxOp{});
+  m = group_reduce(m, G, MaxOp{}, smem);
 
-  // The sum of exp(x - the warp's max) over the segment's elements (vectors
-  // past the end skipped; a vector is wholly in or out of the row, see
-  // load_raw), then the group's (max, sum) from its warps' in one block
-  // round (block_max_sum).
-  const A warp_max = m;
+  // sum of exp over the segment's elements (vectors past the end skipped;
+  // a vector is wholly in or out of the row, see load_raw)
   A sum = 0;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
@@ -492,26 +453,28 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
       }
     }
   }
-  sum = warp_group_reduce(sum, G, SumOp{});
-  if (G > 32) block_max_sum(m, sum, G, smem);
+  sum = group_reduce(sum, G, SumOp{}, smem);
 
   if (phase == 1) {
     write_partial(m, sum, s, row0, partials, nchunks);
     return false;
   }
-  if (phase >= 2) combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, m, sum);
-
-  // The values hold exp(x - warp_max): rescaled to the row's max m where
-  // the two differ (a group wider than a warp, or a row split into chunks).
-  // A warp whose values are all -inf holds exp(-inf - -inf) = NaN: its
-  // outputs are 0 unless the whole row is -inf, where torch's NaN is right.
-  A rescale = A(1);
-  bool empty_warp = false;
-  if constexpr (MODE != sm::Mode::LogSoftmax) {
-    if (G > 32 || phase >= 2) {
-      empty_warp = warp_max == neg_inf<A>() && m != neg_inf<A>();
-      rescale = dev_exp(warp_max - m);
+  if (phase >= 2) {
+    A gm, gs;
+    combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, gm, gs);
+    // Rescale this chunk's values from its own max to the row's.
+    // (An all -inf chunk holds exp(-inf - -inf) = NaN: its values are 0
+    // unless the whole row is -inf, where torch's NaN is right.)
+    if constexpr (MODE != sm::Mode::LogSoftmax) {
+      const bool empty_chunk = m == neg_inf<A>() && gm != neg_inf<A>();
+      const A r = empty_chunk ? A(0) : dev_exp(m - gm);
+#pragma unroll
+      for (int it = 0; it < IT; ++it)
+#pragma unroll
+        for (int v = 0; v < V; ++v) vals[it][v] = empty_chunk ? A(0) : vals[it][v] * r;
     }
+    m = gm;
+    sum = gs;
   }
 
   if constexpr (MODE == sm::Mode::ScaledMasked) {
@@ -531,11 +494,11 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
 #pragma unroll
       for (int v = 0; v < V; ++v) vals[it][v] -= c;
   } else {
-    const A f = empty_warp ? A(0) : rescale / sum;
+    const A inv = A(1) / sum;
 #pragma unroll
     for (int it = 0; it < IT; ++it)
 #pragma unroll
-      for (int v = 0; v < V; ++v) vals[it][v] = empty_warp ? A(0) : vals[it][v] * f;
+      for (int v = 0; v < V; ++v) vals[it][v] *= inv;
   }
   return true;
 }
@@ -606,16 +569,14 @@ __device__ __forceinline__ float packed_max(const uint32_t (&w)[N]) {
 // finish_forward for values held as loaded (kPacked): w holds the
 // segment's IT vectors of V values, V / 2 registers each (-inf past the
 // row). The same max, sum and combination, but each output is computed
-// from its input, exp(x - M) / S (or x - M - log S), so neither warps nor
-// chunks need rescaling. For a row held by one warp or less (phase 0) the
-// outputs equal finish_forward's bit for bit.
+// from its input, exp(x - M) / S (or x - M - log S), so chunks need no
+// rescaling. For a row held whole (phase 0) the outputs equal
+// finish_forward's bit for bit.
 template <typename T, int V, int IT, sm::Mode MODE>
 __device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2], const Segment& s, int G, int phase,
                                                       int64_t row0, float* partials, int nchunks, float* smem) {
   constexpr int W = V / 2;  // registers per vector
-  // As finish_forward: the sum relative to the warp's max, then the
-  // group's (max, sum) in one block round.
-  float m = warp_group_reduce(packed_max<T>(w), G, MaxOp{});
+  float m = group_reduce(packed_max<T>(w), G, MaxOp{}, smem);
 
   float sum = 0;
 #pragma unroll
@@ -630,8 +591,7 @@ __device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2],
       }
     }
   }
-  sum = warp_group_reduce(sum, G, SumOp{});
-  if (G > 32) block_max_sum(m, sum, G, smem);
+  sum = group_reduce(sum, G, SumOp{}, smem);
 
   if (phase == 1) {
     write_partial(m, sum, s, row0, partials, nchunks);
@@ -697,7 +657,7 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
                                                              int64_t rows, int64_t chunk, Acc<T>* partials,
                                                              int nchunks) {
   using A = Acc<T>;
-  __shared__ A smem[64];  // block_max_sum's pairs
+  __shared__ A smem[32];
   const int64_t K = a.K;
   if (phase == 3) cluster_arrive_relaxed();  // see cluster_exchange
   const Segment s = make_segment(G, phase, row0, rows, K, chunk);
