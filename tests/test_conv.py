@@ -218,27 +218,47 @@ def test_nan_propagates(device):
     assert out[0, 0, 1:4, 1:4].isnan().all() and not out[0, 1].isnan().any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_dense_relu_keeps_nan(dtype, channels_last, device):
+    """The fused ReLU keeps NaN as torch.relu does (a library's fused ReLU
+    that maps NaN to 0 would hide a diverging model)."""
+    x = rand((2, 4, 6, 7), dtype, device)
+    x[0, 1, 3, 3] = float("nan")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = rand((5, 4, 3, 3), dtype, device), rand((5,), dtype, device)
+    out = opforge.conv2d_3x3(x, w, b, 1, 1, 1, "relu")
+    expect = torch.zeros(out.shape, dtype=torch.bool)
+    expect[0, :, 2:5, 2:5] = True
+    assert torch.equal(out.isnan().cpu(), expect)
+
+
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_depthwise_backward_nan_output_passes_gradient(channels_last, dtype, device):
+def test_backward_nan_output_passes_gradient(kind, channels_last, dtype, device):
     """Where the fused ReLU's output is NaN, its backward passes the gradient,
     as torch's ReLU backward does (it zeroes only where the output is <= 0)."""
     c = 8
+    groups = c if kind == "depthwise" else 1
     x = rand((2, c, 9, 10), dtype, device)
     x[0, 0, 4, 4] = float("nan")
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
-    w, b = rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device)
-    out = opforge.conv2d_3x3(x, w, b, 1, 1, c, "relu")
+    w, b = rand((c, c // groups, 3, 3), dtype, device), rand((c,), dtype, device)
+    out = opforge.conv2d_3x3(x, w, b, 1, 1, groups, "relu")
     assert out.isnan().any()
     g = rand(out.shape, dtype, device)
-    gx, _, gb = torch.ops.opforge._conv2d_3x3_backward(g, out, x, w, 1, 1, c, [True, True, True])
+    gx, _, gb = torch.ops.opforge._conv2d_3x3_backward(g, out, x, w, 1, 1, groups, [True, True, True])
     passed = g.double().cpu() * ~(out.cpu() <= 0)
     wd = w.double().cpu().requires_grad_()
     xd = torch.zeros(x.shape, dtype=torch.float64).requires_grad_()
-    F.conv2d(xd, wd, None, 1, 1, 1, c).backward(passed)
+    F.conv2d(xd, wd, None, 1, 1, 1, groups).backward(passed)
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(gx.cpu().double(), xd.grad, atol=atol * 3, rtol=rtol)
+    if dtype == torch.float32 and device == "cuda" and groups == 1 and torch.backends.cudnn.allow_tf32:
+        atol, rtol = TF32_TOL
+    torch.testing.assert_close(gx.cpu().double(), xd.grad, atol=atol * math.sqrt(9 * c // groups), rtol=rtol)
     plane = out.shape[0] * out.shape[2] * out.shape[3]
     torch.testing.assert_close(gb.cpu().double(), passed.sum((0, 2, 3)), atol=_reduction_atol(dtype, plane), rtol=rtol)
 
@@ -475,6 +495,59 @@ def test_double_backward_raises(device):
     (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
     with pytest.raises(NotImplementedError, match=r"double backward .* is not supported"):
         gx.sum().backward()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape", [(3, 16, 28, 28, 64), (2, 8, 33, 35, 24), (1, 4, 5, 7, 3)])
+def test_dense_backward_bias_and_mask(dtype, relu, channels_last, shape, device):
+    """The dense backward's masked gradient and bias sums (one CUDA pass
+    before cuDNN): channel counts and planes with and without 16-byte
+    vectors, several blocks and plane splits, with and without the ReLU
+    mask, against float64; grad bias is the same bits run to run."""
+    n, c, h, wd, k = shape
+    x = rand((n, c, h, wd), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = rand((k, c, 3, 3), dtype, device) * (9 * c) ** -0.5, rand((k,), dtype, device)
+    out = opforge.conv2d_3x3(x, w, b, 1, 1, 1, "relu" if relu else None)
+    g = rand(out.shape, dtype, device)
+    with poisoned(device):
+        gx, gw, gb = torch.ops.opforge._conv2d_3x3_backward(g, out if relu else None, x, w, 1, 1, 1, [True] * 3)
+        gb_again = torch.ops.opforge._conv2d_3x3_backward(g, out if relu else None, x, w, 1, 1, 1, [False, False, True])[2]
+    assert torch.equal(gb, gb_again)
+    passed = g.double().cpu() * ((out.cpu() > 0).double() if relu else 1.0)
+    x2, w2 = (t.detach().double().cpu().requires_grad_() for t in (x, w))
+    F.conv2d(x2, w2, None, 1, 1).backward(passed)
+    atol, rtol = TOLERANCES[dtype]
+    plane = n * h * wd
+    torch.testing.assert_close(gb.cpu().double(), passed.sum((0, 2, 3)), atol=_reduction_atol(dtype, plane), rtol=rtol)
+    # grad x sums 9 * K terms, grad weight N * H * W (TF32: a per-dtype style
+    # tolerance scaled by sqrt(terms), as in test_backward_matches_torch)
+    gx_atol, gw_atol = _reduction_atol(dtype, 9 * k), _reduction_atol(dtype, plane)
+    if dtype == torch.float32 and device == "cuda" and torch.backends.cudnn.allow_tf32:
+        atol, rtol = TF32_TOL
+        gx_atol, gw_atol = atol * math.sqrt(9 * k), atol * math.sqrt(plane)
+    torch.testing.assert_close(gx.cpu().double(), x2.grad, atol=gx_atol, rtol=rtol)
+    torch.testing.assert_close(gw.cpu().double(), w2.grad, atol=gw_atol, rtol=rtol)
+    assert gx.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("grads", [(True, False, True), (False, True, True), (False, False, True), (True, True, False)])
+def test_dense_backward_partial_grads(grads, device):
+    x = rand((2, 6, 9, 8), torch.float64, device)
+    w, b = rand((10, 6, 3, 3), torch.float64, device), rand((10,), torch.float64, device)
+    out = opforge.conv2d_3x3(x, w, b, 1, 1, 1, "relu")
+    g = rand(out.shape, torch.float64, device)
+    got = torch.ops.opforge._conv2d_3x3_backward(g, out, x, w, 1, 1, 1, list(grads))
+    x2, w2, b2 = (t.detach().cpu().requires_grad_() for t in (x, w, b))
+    torch.relu(F.conv2d(x2, w2, b2, 1, 1)).backward(g.cpu())
+    for asked, ours, theirs in zip(grads, got, (x2.grad, w2.grad, b2.grad)):
+        if asked:
+            torch.testing.assert_close(ours.cpu(), theirs)
+        else:
+            assert ours.numel() == 0
 
 
 def test_partial_grads(device):

@@ -49,6 +49,7 @@ SOURCES = extension.SourceSet(
         "csrc/cuda/softmax.cu",
         "csrc/cuda/conv.cu",
         "csrc/cuda/conv_depthwise.cu",
+        "csrc/cuda/conv_bias_grad.cu",
         "csrc/cuda/conv3x3_dense_mma.cu",
     ],
     include_dirs=["csrc"],

@@ -164,12 +164,14 @@ void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
 }
 
 // Dense float32/bfloat16/float16 convolutions go to oneDNN (shipped inside
-// torch) with the bias and ReLU as its fused post-op: the epilogue stays in
-// the convolution's own write, and oneDNN's direct 3x3 kernels beat the
+// torch) with the bias fused, and oneDNN's direct 3x3 kernels beat the
 // im2col + GEMM path below by 2-3x on these CPUs. Returns an undefined
 // tensor when oneDNN is not built in or refuses the dtype on this CPU (its
 // half-precision paths need AVX-512 BF16/FP16 or AVX-NE-CONVERT): the first
 // refusal turns oneDNN off for that dtype for the rest of the process.
+// The ReLU is not oneDNN's post-op: that one maps NaN to 0 where torch.relu
+// keeps it (hiding a diverging model), so it runs as one in-place pass over
+// the output (a few percent of a compute-bound convolution).
 at::Tensor dense_forward_onednn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu,
                                 const Geometry& g) {
   static std::atomic<bool> refused[3] = {false, false, false};  // float32, bfloat16, float16
@@ -186,7 +188,7 @@ at::Tensor dense_forward_onednn(const at::Tensor& x, const at::Tensor& w, const 
                           c10::IValue(std::vector<int64_t>{g.stride, g.stride}),
                           c10::IValue(std::vector<int64_t>{1, 1}),
                           c10::IValue(int64_t{1}),
-                          c10::IValue(std::string(relu ? "relu" : "none")),
+                          c10::IValue(std::string("none")),
                           c10::IValue(no_scalars),
                           c10::IValue()};
   try {
@@ -195,7 +197,9 @@ at::Tensor dense_forward_onednn(const at::Tensor& x, const at::Tensor& w, const 
     refused[slot].store(true);
     return {};
   }
-  return stack.at(0).toTensor();
+  at::Tensor out = stack.at(0).toTensor();
+  if (relu) out.relu_();
+  return out;
 }
 
 at::Tensor conv2d_3x3_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in,

@@ -14,8 +14,9 @@
 // ATen's convolution (cuDNN, honouring
 // torch.backends.cudnn.allow_tf32 for float32 exactly like F.conv2d)
 // followed by ONE fused bias + ReLU epilogue kernel, in place on cuDNN's
-// output (16-byte vectors when aligned). Dense backward:
-// the masked gradient, then ATen's convolution_backward (cuDNN).
+// output (16-byte vectors when aligned). Dense backward: one pass writes
+// the masked gradient and the bias gradient's sums (cuda/conv_bias_grad.cu),
+// then ATen's convolution_backward (cuDNN) gives grad x and grad weight.
 // Inputs take one .contiguous() in x's memory format (a no-op for contiguous
 // and channels_last tensors).
 #include <ATen/Context.h>
@@ -34,6 +35,7 @@
 
 #include "conv_common.h"
 #include "cuda/conv3x3_dense_mma.h"
+#include "cuda/conv_bias_grad.h"
 #include "cuda/conv_depthwise.h"
 
 namespace {
@@ -181,13 +183,41 @@ at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const
   return y;
 }
 
+// Dense backward: the masked gradient and grad bias from one pass over
+// grad_out and the result, then cuDNN for grad x and grad weight without
+// the bias (its sums over N, H and W, a second read of the gradient in
+// ATen, ran at a sixth of the H200's bandwidth). Without a bias gradient to
+// compute, or with nothing to read, ATen's path is as good.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& grad_out,
+                                                              const c10::optional<at::Tensor>& result,
+                                                              const at::Tensor& x_in, const at::Tensor& w_in,
+                                                              const Geometry& g, std::array<bool, 3> mask) {
+  if (!mask[2] || grad_out.numel() == 0 || x_in.numel() == 0) {
+    return opforge::conv::backward_via_aten(grad_out, result, x_in, w_in, g, mask);
+  }
+  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
+  const bool conv_grads = mask[0] || mask[1];
+  at::Tensor masked = o.result.defined() && conv_grads ? at::empty(o.grad_out.sizes(), o.grad_out.options().memory_format(o.fmt))
+                                                       : at::Tensor();
+  at::Tensor gb = at::empty({g.K}, o.x.options());
+  opforge::conv::masked_grad_bias_cuda(o.grad_out, o.result, masked, gb, o.nhwc);
+  auto empty = [&] { return at::empty({0}, o.x.options()); };
+  if (!conv_grads) return {empty(), empty(), gb};
+  at::Tensor gx, gw;
+  std::tie(gx, gw, std::ignore) =
+      at::convolution_backward(o.result.defined() ? masked : o.grad_out, o.x, o.w, c10::nullopt, {g.stride, g.stride},
+                               {g.pad, g.pad}, {1, 1}, false, {0, 0}, 1, {mask[0], mask[1], false});
+  // Layouts as the fake kernel states: grad x in x's format, grad weight contiguous.
+  return {mask[0] ? gx.contiguous(o.fmt) : empty(), mask[1] ? gw.contiguous() : empty(), gb};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& result, const at::Tensor& x_in, const at::Tensor& w_in,
     int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
   const Geometry g = opforge::conv::check_conv_args(kBwdOp, x_in, w_in, c10::nullopt, stride, padding, groups);
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x_in, g);
   const c10::cuda::CUDAGuard guard(x_in.device());
-  if (!g.depthwise) return opforge::conv::backward_via_aten(grad_out, result, x_in, w_in, g, mask);
+  if (!g.depthwise) return dense_backward(grad_out, result, x_in, w_in, g, mask);
   const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
   const at::MemoryFormat fmt = o.fmt;
   const bool nhwc = o.nhwc;

@@ -1429,18 +1429,6 @@ __global__ void dw_bwd_weight_finish(const at::opmath_type<scalar_t>* __restrict
   }
 }
 
-// Largest V (elements per access, at most 16 bytes) dividing `multiple_of`
-// with every pointer aligned to V elements.
-template <typename scalar_t>
-int pick_vec(int64_t multiple_of, std::initializer_list<const void*> ptrs) {
-  for (int v = static_cast<int>(16 / sizeof(scalar_t)); v > 1; v /= 2) {
-    bool ok = multiple_of % v == 0;
-    for (const void* p : ptrs) ok = ok && opforge::cuda::is_aligned(p, v * sizeof(scalar_t));
-    if (ok) return v;
-  }
-  return 1;
-}
-
 template <typename Kernel>
 void set_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) {
@@ -1738,7 +1726,7 @@ void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::
     size_t smem;
     if (nhwc) {
       // V along the channels: C % V == 0 (then K = C * m too).
-      V = pick_vec<scalar_t>(g.C, {xp, op});
+      V = opforge::cuda::pick_vec<scalar_t>(g.C, {xp, op});
       const int oh_t = S == 1 ? 8 : 4, ow_t = 8;
       const int ih_t = (oh_t - 1) * S + 3, iw_t = (ow_t - 1) * S + 3;
       const int base = sizeof(opmath_t) == 8 ? 32 : 64;
@@ -1752,7 +1740,7 @@ void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::
       smem = sizeof(opmath_t) * (static_cast<size_t>(ih_t) * iw_t * cb + 10 * static_cast<size_t>(cb) * g.mult);
     } else {
       // V along W: loads need W % V == 0, stores Wo % V == 0 (else scalar stores).
-      V = pick_vec<scalar_t>(g.W, {xp});
+      V = opforge::cuda::pick_vec<scalar_t>(g.W, {xp});
       a.tow = static_cast<int>(g.Wo <= 128 ? g.Wo : 64);
       const int max_out = sizeof(opmath_t) == 8 ? 1024 : 2048;
       int toh = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(g.Ho, max_out / a.tow)));

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 namespace opforge::cuda {
 
@@ -28,6 +29,19 @@ inline int64_t grid_for(int64_t items, int threads) {
 
 inline bool is_aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Largest V (elements per access, at most 16 bytes) dividing `multiple_of`
+// with every pointer aligned to V elements: the vector width of a kernel
+// that walks rows of `multiple_of` elements with AlignedVec<T, V>.
+template <typename T>
+int pick_vec(int64_t multiple_of, std::initializer_list<const void*> ptrs) {
+  for (int v = static_cast<int>(16 / sizeof(T)); v > 1; v /= 2) {
+    bool ok = multiple_of % v == 0;
+    for (const void* p : ptrs) ok = ok && is_aligned(p, v * sizeof(T));  // (null counts as aligned)
+    if (ok) return v;
+  }
+  return 1;
 }
 
 }  // namespace opforge::cuda
