@@ -425,23 +425,50 @@ def test_depthwise_backward_stride1(dtype, padding, relu, channels_last, c, devi
     assert x1.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_depthwise_backward_cpu_independent_of_threads(channels_last):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("padding", [0, 1])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("shape", [(3, 12, 37, 70), (2, 6, 8, 7), (1, 5, 3, 3), (2, 3, 4, 33)])
+def test_depthwise_backward_stride2_nchw_cpu(dtype, padding, relu, shape):
+    """The CPU's direct stride-2 NCHW depthwise backward (grad x from even
+    and odd columns, weight sums on rows split the same way): odd and even
+    sizes, both paddings, against float64."""
+    c = shape[1]
+    x = rand(shape, dtype)
+    w, b = rand((c, 1, 3, 3), dtype), rand((c,), dtype)
+    out = opforge.conv2d_3x3(x, w, b, 2, padding, c, "relu" if relu else None)
+    g = rand(out.shape, dtype)
+    with poisoned():
+        gx, gw, gb = torch.ops.opforge._conv2d_3x3_backward(g, out if relu else None, x, w, 2, padding, c, [True] * 3)
+    x2, w2, b2 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    g2 = g.double() * (out > 0).double() if relu else g.double()
+    F.conv2d(x2, w2, b2, 2, padding, 1, c).backward(g2)
+    atol, rtol = TOLERANCES[dtype]
+    plane = out.shape[0] * out.shape[2] * out.shape[3]
+    torch.testing.assert_close(gx.double(), x2.grad, atol=atol * 2, rtol=rtol)  # at most 4 terms
+    for ours, theirs in ((gw, w2.grad), (gb, b2.grad)):
+        torch.testing.assert_close(ours.double(), theirs, atol=_reduction_atol(dtype, plane), rtol=rtol)
+    assert gx.dtype == dtype and gx.is_contiguous()
+
+
+# (channels_last stride 2 goes through ATen, whose sums depend on the threads)
+@pytest.mark.parametrize("channels_last,stride", [(False, 1), (True, 1), (False, 2)])
+def test_depthwise_backward_cpu_independent_of_threads(channels_last, stride):
     """The CPU weight and bias sums are added in an order fixed by the shape,
     so one thread and several give the same bits."""
     x = rand((3, 20, 29, 33), torch.float32)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     w, b = rand((20, 1, 3, 3), torch.float32), rand((20,), torch.float32)
-    out = opforge.conv2d_3x3(x, w, b, 1, 1, 20, "relu")
+    out = opforge.conv2d_3x3(x, w, b, stride, 1, 20, "relu")
     g = rand(out.shape, torch.float32)
     op = torch.ops.opforge._conv2d_3x3_backward
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = op(g, out, x, w, 1, 1, 20, [True, True, True])
+        one = op(g, out, x, w, stride, 1, 20, [True, True, True])
         torch.set_num_threads(max(2, threads))
-        many = op(g, out, x, w, 1, 1, 20, [True, True, True])
+        many = op(g, out, x, w, stride, 1, 20, [True, True, True])
     finally:
         torch.set_num_threads(threads)
     for a, b_ in zip(one, many):
@@ -451,7 +478,8 @@ def test_depthwise_backward_cpu_independent_of_threads(channels_last):
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_depthwise_backward_every_cpu_isa(capability):
     """The CPU depthwise backward's loops are separate machine code per ISA
-    (AVX-512 walks two rows at once): each against float64, picked the way
+    (AVX-512 walks two rows at once and splits stride-2 rows with its own
+    permutes): each against float64, picked the way
     torch picks its own (ATEN_CPU_CAPABILITY caps the choice)."""
     import os
     import subprocess
@@ -460,7 +488,7 @@ def test_depthwise_backward_every_cpu_isa(capability):
     code = """
 import math, torch, torch.nn.functional as F, opforge
 for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
-    for cl in (False, True):
+    for cl, s in ((False, 1), (True, 1), (False, 2)):
         for pad in (0, 1):
             for c in (20, 6):
                 x = torch.randn(2, c, 13, 17, dtype=torch.float64).to(dtype)
@@ -468,18 +496,18 @@ for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
                     x = x.to(memory_format=torch.channels_last)
                 w = torch.randn(c, 1, 3, 3, dtype=torch.float64).to(dtype)
                 b = torch.randn(c, dtype=torch.float64).to(dtype)
-                y = opforge.conv2d_3x3(x, w, b, 1, pad, c, "relu")
+                y = opforge.conv2d_3x3(x, w, b, s, pad, c, "relu")
                 g = torch.randn(y.shape, dtype=torch.float64).to(dtype)
-                ours = torch.ops.opforge._conv2d_3x3_backward(g, y, x, w, 1, pad, c, [True, True, True])
+                ours = torch.ops.opforge._conv2d_3x3_backward(g, y, x, w, s, pad, c, [True, True, True])
                 xd, wd, bd = (t.double().requires_grad_() for t in (x, w, b))
-                F.conv2d(xd, wd, bd, 1, pad, 1, c).backward(g.double() * (y.double() > 0))
+                F.conv2d(xd, wd, bd, s, pad, 1, c).backward(g.double() * (y.double() > 0))
                 terms = y.shape[0] * y.shape[2] * y.shape[3]
                 for o, r, n in ((ours[0], xd.grad, 9), (ours[1], wd.grad, terms), (ours[2], bd.grad, terms)):
                     err = (o.double() - r).abs().max().item()
                     # the dtype's tolerance grown like a sum of n terms, plus (bfloat16)
                     # the rounding of the result itself
                     tol = atol * math.sqrt(n) * 2 + 2.0**-8 * r.abs().max().item() * (dtype == torch.bfloat16)
-                    assert err <= tol, (dtype, cl, pad, c, err, tol)
+                    assert err <= tol, (dtype, cl, s, pad, c, err, tol)
 print("ok", torch.backends.cpu.get_cpu_capability())
 """
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}

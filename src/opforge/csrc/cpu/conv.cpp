@@ -33,6 +33,7 @@ OPFORGE_CPU_DECLARE(void, conv_dw_nchw, c10::ScalarType, const opforge::conv::Dw
 OPFORGE_CPU_DECLARE(void, conv_dw_nhwc, c10::ScalarType, const opforge::conv::DwParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nchw, c10::ScalarType, const opforge::conv::DwGradParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nhwc, c10::ScalarType, const opforge::conv::DwGradParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nchw_s2, c10::ScalarType, const opforge::conv::DwDgradParams&)
 OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t, bool,
                     bool)
 
@@ -274,16 +275,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
 
 namespace {
 
-// Depthwise, stride 1, multiplier 1: grad x is the forward's loop run on
-// grad_out (masked by the ReLU's result as it is staged) with the kernel
-// flipped and padding 2 - padding (its output has x's shape); the weight and
-// bias sums come from conv_dw_wgrad_* (masking as they read). No masked copy
-// of grad_out is written. All in opmath, rounded once. (Through ATen, oneDNN's CPU depthwise backward ran at
-// a quarter of the forward's bandwidth.)
-std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_s1(const at::Tensor& grad_out,
-                                                                      const c10::optional<at::Tensor>& result,
-                                                                      const at::Tensor& x_in, const at::Tensor& w_in,
-                                                                      const Geometry& g, std::array<bool, 3> want) {
+// Depthwise, multiplier 1, stride 1 (either layout) or stride 2 (NCHW):
+// grad x is, for stride 1, the forward's loop run on grad_out (masked by the
+// ReLU's result as it is staged) with the kernel flipped and padding
+// 2 - padding (its output has x's shape), for stride 2 conv_dw_dgrad_nchw_s2;
+// the weight and bias sums come from conv_dw_wgrad_* (masking as they read).
+// No masked copy of grad_out is written. All in opmath, rounded once.
+// (Through ATen, oneDNN's CPU depthwise backward ran at a quarter of the
+// forward's bandwidth at stride 1, and its stride-2 NCHW grad x took 11x
+// the forward.)
+bool direct_depthwise_backward(const Geometry& g, bool nhwc) {
+  return g.depthwise && g.mult == 1 && (g.stride == 1 || !nhwc);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const at::Tensor& grad_out,
+                                                                          const c10::optional<at::Tensor>& result,
+                                                                          const at::Tensor& x_in, const at::Tensor& w_in,
+                                                                          const Geometry& g, std::array<bool, 3> want) {
   const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
   const at::MemoryFormat fmt = o.fmt;
   const bool nhwc = o.nhwc;
@@ -294,18 +302,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_s1(const at::T
   auto empty = [&] { return at::empty({0}, x.options()); };
   at::Tensor gx = empty(), gw = empty(), gb = empty();
   if (want[0]) {
-    const at::Tensor wflip = w.flip({2, 3}).contiguous();
     gx = at::empty(x.sizes(), x.options().memory_format(fmt));
-    const opforge::conv::DwParams p{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
-                                    go.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr(), mask};
-    (nhwc ? OPFORGE_CPU_SELECT(conv_dw_nhwc) : OPFORGE_CPU_SELECT(conv_dw_nchw))(dtype, p);
+    if (g.stride == 2) {
+      const opforge::conv::DwDgradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, go.const_data_ptr(), mask,
+                                           w.const_data_ptr(), gx.data_ptr()};
+      OPFORGE_CPU_SELECT(conv_dw_dgrad_nchw_s2)(dtype, p);
+    } else {
+      const at::Tensor wflip = w.flip({2, 3}).contiguous();
+      const opforge::conv::DwParams p{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
+                                      go.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr(), mask};
+      (nhwc ? OPFORGE_CPU_SELECT(conv_dw_nhwc) : OPFORGE_CPU_SELECT(conv_dw_nchw))(dtype, p);
+    }
   }
   if (want[1] || want[2]) {
     if (want[1]) gw = at::empty(w.sizes(), w.options());
     if (want[2]) gb = at::empty({g.K}, x.options());
     const opforge::conv::DwGradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, go.const_data_ptr(), mask,
                                         x.const_data_ptr(), want[1] ? gw.data_ptr() : nullptr,
-                                        want[2] ? gb.data_ptr() : nullptr};
+                                        want[2] ? gb.data_ptr() : nullptr, g.stride};
     (nhwc ? OPFORGE_CPU_SELECT(conv_dw_wgrad_nhwc) : OPFORGE_CPU_SELECT(conv_dw_wgrad_nchw))(dtype, p);
   }
   return {gx, gw, gb};
@@ -316,8 +330,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
     int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
   const Geometry g = opforge::conv::check_conv_args(kBwdOp, x, w, c10::nullopt, stride, padding, groups);
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, g);
-  if (g.depthwise && g.stride == 1 && g.mult == 1 && x.numel() > 0 && grad_out.numel() > 0) {
-    return depthwise_backward_s1(grad_out, result, x, w, g, mask);
+  if (direct_depthwise_backward(g, opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast) &&
+      x.numel() > 0 && grad_out.numel() > 0) {
+    return depthwise_backward_direct(grad_out, result, x, w, g, mask);
   }
   return opforge::conv::backward_via_aten(grad_out, result, x, w, g, mask);
 }

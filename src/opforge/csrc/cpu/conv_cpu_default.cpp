@@ -2,4 +2,5 @@
 #include <opforge/cpu_isa_begin.h>
 
 #include "cpu/conv_kernels.h"
+#include "cpu/conv_dw_dgrad_kernels.h"
 #include "cpu/conv_dw_grad_kernels.h"

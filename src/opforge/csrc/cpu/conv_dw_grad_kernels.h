@@ -1,8 +1,8 @@
-// Depthwise weight / bias gradients of the conv family on the CPU (stride 1,
-// channel multiplier 1), compiled once per ISA by conv_cpu_{default,avx2,
+// Depthwise weight / bias gradients of the conv family on the CPU (channel
+// multiplier 1; stride 1, or 2 in NCHW), compiled once per ISA by conv_cpu_{default,avx2,
 // avx512}.cpp after cpu/conv_kernels.h; cpu/conv.cpp picks the ISA at run time.
 //
-// gw[c, kh, kw] = sum_{n, oh, ow} g[n, c, oh, ow] * x[n, c, oh - pad + kh, ow - pad + kw]
+// gw[c, kh, kw] = sum_{n, oh, ow} g[n, c, oh, ow] * x[n, c, S oh - pad + kh, S ow - pad + kw]
 // gb[c]         = sum_{n, oh, ow} g[n, c, oh, ow]
 // with g grad_out where the ReLU passed it (mask > 0 or NaN; all of it
 // without a mask). Sums are kept in opmath vectors and
@@ -10,8 +10,10 @@
 // result does not change from run to run.
 //
 // - NCHW: one work item per channel; each (image, channel) plane of x is
-//   staged once into zero-padded opmath rows, then every grad_out row adds
-//   its 9 tap products along W (3 staged rows x 3 shifted loads).
+//   staged once into zero-padded opmath rows (stride 2: each row split into
+//   its even and odd columns, as the forward stages them), then every
+//   grad_out row adds its 9 tap products along W (3 staged rows x 3 shifted
+//   loads, contiguous for either stride).
 // - NHWC: vectorised along the channels; the N * Ho output rows are cut into
 //   at most kNhwcChunks chunks of 4 rows or more (their count fixed by the
 //   shape), each summing into its own (10, K) partials while one channel
@@ -58,7 +60,29 @@ inline T lane_sum(const at::vec::Vectorized<T>& v) {
   return s;
 }
 
-template <typename scalar_t>
+// One grad_out vector's (n lanes; whole when Full) products with its 9 taps
+// into acc, and the vector into accb. rows[kh]: the staged row of input row
+// oh * S - pad + kh, at output column ow. Stride 2 rows hold the even padded
+// columns, then the odd ones from E: taps kw = 0, 1, 2 are at ow, E + ow,
+// ow + 1. A partial vector loads only its n lanes: the lanes past Wo, whose
+// taps lie outside what the sums cover, add exact zeros (not 0 * x, which is
+// NaN where x is infinite or NaN).
+template <int S, bool Full, typename T>
+inline void wgrad_taps(const T* gp, const T* const (&rows)[3], int64_t E, int n, at::vec::Vectorized<T> (&acc)[9],
+                       at::vec::Vectorized<T>& accb) {
+  using V = at::vec::Vectorized<T>;
+  auto load = [&](const T* q) { return Full ? V::loadu(q) : V::loadu(q, n); };
+  const V gv = load(gp);
+  accb = accb + gv;
+  for (int kh = 0; kh < 3; ++kh) {
+    const T* xr = rows[kh];
+    acc[kh * 3] = at::vec::fmadd(gv, load(xr), acc[kh * 3]);
+    acc[kh * 3 + 1] = at::vec::fmadd(gv, load(S == 1 ? xr + 1 : xr + E), acc[kh * 3 + 1]);
+    acc[kh * 3 + 2] = at::vec::fmadd(gv, load(S == 1 ? xr + 2 : xr + 1), acc[kh * 3 + 2]);
+  }
+}
+
+template <typename scalar_t, int S>
 void dw_wgrad_nchw(const conv::DwGradParams& p) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
   using IO = VecIo<scalar_t>;
@@ -70,13 +94,16 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
   scalar_t *gw = ptr.gw, *gb = ptr.gb;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
   const int64_t Wp = W + 2 * pad, Hp = H + 2 * pad;
+  const int64_t E = (Wp + 1) / 2;  // stride 2: the odd padded columns' offset in a staged row
   const int64_t wvec = (Wo + L - 1) / L * L;  // grad_out columns, whole vectors
-  // Staged rows: the taps of the last vector read up to wvec + 1 < rowlen.
+  // Staged rows: L values of slack past Wp (split_even_odd's spill).
   const int64_t rowlen = std::max((Wp + L - 1) / L * L, wvec + 2) + L;
   at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
     // Zero padding (rows and columns outside the image) stays zero: staging
-    // writes only columns [pad, pad + W) of rows [pad, pad + H).
+    // writes only columns [pad, pad + W) of rows [pad, pad + H) (stride 2:
+    // whole rows, split from a zero-padded copy).
     std::vector<opmath_t> plane(Hp * rowlen, opmath_t(0));
+    std::vector<opmath_t> split(S == 2 ? 2 * rowlen : 0, opmath_t(0));
     std::vector<opmath_t> grow(wvec, opmath_t(0));
     for (int64_t c = begin; c < end; ++c) {
       V acc[9], accb(opmath_t(0));
@@ -94,18 +121,19 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
           for (int64_t i = 0; i < len; i += kLine) __builtin_prefetch(q + i, 0, 3);
         };
         for (int64_t ih = 0; ih < H; ++ih) {
-          opmath_t* d = plane.data() + (ih + pad) * rowlen + pad;
+          opmath_t* row = plane.data() + (ih + pad) * rowlen;
+          opmath_t* d = (S == 1 ? row : split.data()) + pad;
           const scalar_t* xr = xp + ih * W;
           prefetch(x, H * W, ih * W, W);
           int64_t iw = 0;
           for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
           if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+          if (S == 2) split_even_odd(split.data(), row, Wp, E);
         }
         const scalar_t* gp = g + (n * C + c) * Ho * Wo;
         const scalar_t* mp = mask ? mask + (n * C + c) * Ho * Wo : nullptr;
         for (int64_t oh = 0; oh < Ho; ++oh) {
-          // The passed grad_out row in opmath, zeros past Wo: the extra
-          // lanes add 0.
+          // The passed grad_out row in opmath.
           const scalar_t* gr = gp + oh * Wo;
           const scalar_t* mr = mp ? mp + oh * Wo : nullptr;
           prefetch(g, Ho * Wo, oh * Wo, Wo);
@@ -115,16 +143,16 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
           if (ow < Wo) {
             load_passed(gr + ow, mr ? mr + ow : nullptr, static_cast<int>(Wo - ow)).store(grow.data() + ow);
           }
-          for (ow = 0; ow < wvec; ow += L) {
-            const V gv = V::loadu(grow.data() + ow);
-            accb = accb + gv;
-            for (int kh = 0; kh < 3; ++kh) {
-              // Staged row oh + kh is input row oh - pad + kh.
-              const opmath_t* xr = plane.data() + (oh + kh) * rowlen + ow;
-              acc[kh * 3] = at::vec::fmadd(gv, V::loadu(xr), acc[kh * 3]);
-              acc[kh * 3 + 1] = at::vec::fmadd(gv, V::loadu(xr + 1), acc[kh * 3 + 1]);
-              acc[kh * 3 + 2] = at::vec::fmadd(gv, V::loadu(xr + 2), acc[kh * 3 + 2]);
-            }
+          // Staged row oh * S + kh is input row oh * S - pad + kh.
+          const opmath_t* rows[3];
+          for (int kh = 0; kh < 3; ++kh) rows[kh] = plane.data() + (oh * S + kh) * rowlen;
+          for (ow = 0; ow + L <= Wo; ow += L) {
+            const opmath_t* taps[3] = {rows[0] + ow, rows[1] + ow, rows[2] + ow};
+            wgrad_taps<S, true>(grow.data() + ow, taps, E, static_cast<int>(L), acc, accb);
+          }
+          if (ow < Wo) {
+            const opmath_t* taps[3] = {rows[0] + ow, rows[1] + ow, rows[2] + ow};
+            wgrad_taps<S, false>(grow.data() + ow, taps, E, static_cast<int>(Wo - ow), acc, accb);
           }
         }
       }
@@ -270,7 +298,13 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
 }  // namespace conv_detail
 
 void conv_dw_wgrad_nchw(c10::ScalarType dtype, const conv::DwGradParams& p) {
-  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nchw", [&] { conv_detail::dw_wgrad_nchw<scalar_t>(p); });
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nchw", [&] {
+    if (p.stride == 2) {
+      conv_detail::dw_wgrad_nchw<scalar_t, 2>(p);
+    } else {
+      conv_detail::dw_wgrad_nchw<scalar_t, 1>(p);
+    }
+  });
 }
 
 void conv_dw_wgrad_nhwc(c10::ScalarType dtype, const conv::DwGradParams& p) {

@@ -18,7 +18,8 @@ struct DwParams {
   const void* mask = nullptr;
 };
 
-// The depthwise weight / bias gradient loops (stride 1, multiplier 1).
+// The depthwise weight / bias gradient loops (multiplier 1; stride 1, or 2
+// in NCHW).
 struct DwGradParams {
   int64_t N, C, H, W, Ho, Wo, pad;
   const void* g;     // grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
@@ -26,6 +27,16 @@ struct DwGradParams {
   const void* x;  // (N, C, H, W) contiguous, or (N, H, W, C)
   void* gw;       // (C, 1, 3, 3), or nullptr
   void* gb;       // (C), or nullptr
+  int64_t stride = 1;
+};
+
+// The depthwise input gradient of a stride-2 NCHW convolution (multiplier 1).
+struct DwDgradParams {
+  int64_t N, C, H, W, Ho, Wo, pad;
+  const void* g;     // grad_out (N, C, Ho, Wo) contiguous
+  const void* mask;  // as DwGradParams::mask
+  const void* w;     // (C, 1, 3, 3) contiguous
+  void* gx;          // (N, C, H, W) contiguous
 };
 
 }  // namespace opforge::conv

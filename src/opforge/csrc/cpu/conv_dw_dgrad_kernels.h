@@ -1,0 +1,104 @@
+// Depthwise input gradient of a stride-2 NCHW convolution on the CPU
+// (channel multiplier 1), compiled once per ISA by conv_cpu_{default,avx2,
+// avx512}.cpp after cpu/conv_kernels.h; cpu/conv.cpp picks the ISA at run
+// time. (Stride 1 runs the forward's loop with the kernel flipped.)
+//
+// gx[n, c, ih, iw] = sum of g[n, c, oh, ow] * w[c, kh, kw] over 2 oh + kh =
+// ih + pad and 2 ow + kw = iw + pad, with g grad_out where the ReLU passed it.
+// In padded coordinates q = iw + pad, an even column q = 2j takes taps
+// kw = 0 (ow = j) and kw = 2 (ow = j - 1), an odd one q = 2j + 1 the tap
+// kw = 1 (ow = j); likewise a padded row takes kh = 0 and 2 or kh = 1. So
+// each input row is two contiguous vector sums over one or two grad_out rows,
+// even and odd columns, interleaved once on the way out: no scatter, and
+// every output element is written once (work items are whole planes).
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <vector>
+
+#include <opforge/dispatch.h>
+
+#include "cpu/conv_kernels.h"
+#include "cpu/conv_params.h"
+
+namespace opforge::cpu::CPU_CAPABILITY {
+namespace conv_detail {
+
+template <typename scalar_t>
+void dw_dgrad_nchw_s2(const conv::DwDgradParams& p) {
+  using IO = VecIo<scalar_t>;
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t L = V::size();
+  const auto* g = static_cast<const scalar_t*>(p.g);
+  const auto* mask = static_cast<const scalar_t*>(p.mask);
+  const auto* w = static_cast<const scalar_t*>(p.w);
+  auto* gx = static_cast<scalar_t*>(p.gx);
+  const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
+  // Even padded columns: E = Wo + 1 of them (the last only takes kw = 2).
+  const int64_t E = Wo + 1;
+  const int64_t ev = (E + L - 1) / L * L;
+  // A staged grad_out row: z[0] = 0, z[1 + ow] = the passed g[ow], zeros
+  // after, so that z[j] is g[j - 1] and z[1 + j] is g[j] for every j < ev.
+  const int64_t zlen = ev + L + 1;
+  at::parallel_for(0, p.N * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<opmath_t> gplane(Ho * zlen, opmath_t(0));
+    std::vector<opmath_t> even(ev), odd(ev), padded(2 * ev);
+    for (int64_t nc = begin; nc < end; ++nc) {
+      const int64_t c = nc % C;
+      const scalar_t* gp = g + nc * Ho * Wo;
+      const scalar_t* mp = mask ? mask + nc * Ho * Wo : nullptr;
+      for (int64_t oh = 0; oh < Ho; ++oh) {
+        const scalar_t* gr = gp + oh * Wo;
+        const scalar_t* mr = mp ? mp + oh * Wo : nullptr;
+        opmath_t* z = gplane.data() + oh * zlen + 1;
+        int64_t ow = 0;
+        for (; ow + L <= Wo; ow += L) load_passed(gr + ow, mr ? mr + ow : nullptr).store(z + ow);
+        if (ow < Wo) load_passed(gr + ow, mr ? mr + ow : nullptr, static_cast<int>(Wo - ow)).store(z + ow, static_cast<int>(Wo - ow));
+      }
+      V wv[9];
+      for (int t = 0; t < 9; ++t) wv[t] = V(static_cast<opmath_t>(w[c * 9 + t]));
+      scalar_t* out = gx + nc * H * W;
+      for (int64_t ih = 0; ih < H; ++ih) {
+        std::fill(even.begin(), even.end(), opmath_t(0));
+        std::fill(odd.begin(), odd.end(), opmath_t(0));
+        const int64_t r = ih + pad;  // padded row: 2 oh + kh
+        for (int kh = (r & 1); kh < 3; kh += 2) {
+          const int64_t oh = (r - kh) / 2;
+          if (r < kh || oh >= Ho) continue;
+          const opmath_t* z = gplane.data() + oh * zlen;
+          for (int64_t j = 0; j < ev; j += L) {
+            const V cur = V::loadu(z + 1 + j), prev = V::loadu(z + j);
+            const V e = at::vec::fmadd(cur, wv[kh * 3], at::vec::fmadd(prev, wv[kh * 3 + 2], V::loadu(even.data() + j)));
+            e.store(even.data() + j);
+            at::vec::fmadd(cur, wv[kh * 3 + 1], V::loadu(odd.data() + j)).store(odd.data() + j);
+          }
+        }
+        // padded[2 j] = even[j], padded[2 j + 1] = odd[j]; the row is
+        // padded[pad, pad + W).
+        for (int64_t j = 0; j < ev; j += L) {
+          const auto pair = at::vec::interleave2(V::loadu(even.data() + j), V::loadu(odd.data() + j));
+          pair.first.store(padded.data() + 2 * j);
+          pair.second.store(padded.data() + 2 * j + L);
+        }
+        scalar_t* o = out + ih * W;
+        const opmath_t* src = padded.data() + pad;
+        int64_t iw = 0;
+        for (; iw + L <= W; iw += L) IO::store(o + iw, V::loadu(src + iw));
+        if (iw < W) IO::store(o + iw, V::loadu(src + iw, static_cast<int>(W - iw)), static_cast<int>(W - iw));
+      }
+    }
+  });
+}
+
+}  // namespace conv_detail
+
+void conv_dw_dgrad_nchw_s2(c10::ScalarType dtype, const conv::DwDgradParams& p) {
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_dgrad_nchw_s2", [&] { conv_detail::dw_dgrad_nchw_s2<scalar_t>(p); });
+}
+
+}  // namespace opforge::cpu::CPU_CAPABILITY
