@@ -18,30 +18,30 @@ import opforge
 from ..bench.registry import BenchCase, register
 
 
-def _eager(groups: int, relu: bool, padding: int = 1):
+def _eager(groups: int, relu: bool, padding: int = 1, stride: int = 1):
     def fn(x, w, b):
-        y = F.conv2d(x, w, b, 1, padding, 1, groups)
+        y = F.conv2d(x, w, b, stride, padding, 1, groups)
         return torch.relu(y) if relu else y
 
     fn.__name__ = "F.conv2d+relu" if relu else "F.conv2d"
     return fn
 
 
-def _reference(groups: int, relu: bool, padding: int = 1):
+def _reference(groups: int, relu: bool, padding: int = 1, stride: int = 1):
     """The float64 result every provider is checked against (half-type
     outputs of two implementations can each be within rounding of it and still
     differ from each other by more than a tolerance on millions of outputs)."""
 
     def fn(x, w, b):
-        y = F.conv2d(x.double(), w.double(), b.double(), 1, padding, 1, groups)
+        y = F.conv2d(x.double(), w.double(), b.double(), stride, padding, 1, groups)
         return torch.relu(y) if relu else y
 
     return fn
 
 
-def _ours(groups: int, relu: bool, padding: int = 1):
+def _ours(groups: int, relu: bool, padding: int = 1, stride: int = 1):
     def fn(x, w, b):
-        return opforge.conv2d_3x3(x, w, b, 1, padding, groups, "relu" if relu else None)
+        return opforge.conv2d_3x3(x, w, b, stride, padding, groups, "relu" if relu else None)
 
     return fn
 
@@ -60,6 +60,34 @@ def _inputs(n, c, h, w, k, groups, dtype, device, channels_last):
     return make
 
 
+def _depthwise_case(n, c, h, w, dtype, device, channels_last, stride, quick):
+    """Depthwise 3x3 + bias + ReLU, padding 1. Floor: read x and write the
+    output once (stride 2: a quarter of x's size); backward: read grad_out
+    and the result, read x, write grad x (weights negligible)."""
+    s = torch.empty((), dtype=dtype).element_size()
+    fmt = "NHWC" if channels_last else "NCHW"
+    out_elems = n * c * ((h - 1) // stride + 1) * ((w - 1) // stride + 1)
+    return BenchCase(
+        op="conv2d_3x3_depthwise_relu",
+        label=f"N{n} C{c} {h}x{w} {fmt}" + (f" stride {stride}" if stride != 1 else ""),
+        dtype=dtype,
+        make_inputs=_inputs(n, c, h, w, c, c, dtype, device, channels_last),
+        ours=_ours(c, True, stride=stride),
+        eager=_eager(c, True, stride=stride),
+        eager_name="F.conv2d+relu",
+        reference=_reference(c, True, stride=stride),
+        bytes_fwd=(n * c * h * w + out_elems) * s + 10 * c * s,
+        bytes_bwd=(2 * n * c * h * w + 2 * out_elems) * s,
+        grad_inputs=(0, 1, 2),
+        atol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+        rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
+        # weight and bias gradients sum N x Ho x Wo terms each
+        grad_atol={i: (1e-2 if dtype == torch.bfloat16 else 1e-4) * math.sqrt(out_elems / c) for i in (1, 2)},
+        relu_output=True,
+        quick=quick,
+    )
+
+
 @register("conv")
 def cases(device: str) -> list[BenchCase]:
     out = []
@@ -72,32 +100,13 @@ def cases(device: str) -> list[BenchCase]:
         dense_shapes = [(1, 64, 56, 56, 64), (2, 128, 28, 28, 128)]
         dtypes = (torch.float32,)
     for dtype in dtypes:
-        s = torch.empty((), dtype=dtype).element_size()
         for channels_last in (False, True):
-            fmt = "NHWC" if channels_last else "NCHW"
             for i, (n, c, h, w) in enumerate(dw_shapes):
-                out.append(
-                    BenchCase(
-                        op="conv2d_3x3_depthwise_relu",
-                        label=f"N{n} C{c} {h}x{w} {fmt}",
-                        dtype=dtype,
-                        make_inputs=_inputs(n, c, h, w, c, c, dtype, device, channels_last),
-                        ours=_ours(c, True),
-                        eager=_eager(c, True),
-                        eager_name="F.conv2d+relu",
-                        reference=_reference(c, True),
-                        bytes_fwd=2 * n * c * h * w * s + 10 * c * s,
-                        # read grad_out, result and x, write grad x; weights negligible
-                        bytes_bwd=4 * n * c * h * w * s,
-                        grad_inputs=(0, 1, 2),
-                        atol=1e-2 if dtype == torch.bfloat16 else 1e-4,
-                        rtol=1e-2 if dtype == torch.bfloat16 else 1e-4,
-                        # weight and bias gradients sum N x H x W terms each
-                        grad_atol={i: (1e-2 if dtype == torch.bfloat16 else 1e-4) * math.sqrt(n * h * w) for i in (1, 2)},
-                        relu_output=True,
-                        quick=i == 0 and not channels_last,
-                    )
-                )
+                out.append(_depthwise_case(n, c, h, w, dtype, device, channels_last, 1, i == 0 and not channels_last))
+        if device == "cpu":
+            # Stride 2 (the downsampling layers of mobile networks), NCHW.
+            for n, c, h, w in dw_shapes:
+                out.append(_depthwise_case(n, c, h, w, dtype, device, False, 2, False))
         for i, (n, c, h, w, k) in enumerate(dense_shapes):
             flops = 2 * n * k * c * 9 * h * w  # padding 1, stride 1: Ho, Wo = H, W
             out.append(

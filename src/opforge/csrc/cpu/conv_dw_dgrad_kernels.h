@@ -47,7 +47,7 @@ void dw_dgrad_nchw_s2(const conv::DwDgradParams& p) {
   const int64_t zlen = ev + L + 1;
   at::parallel_for(0, p.N * C, 1, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> gplane(Ho * zlen, opmath_t(0));
-    std::vector<opmath_t> even(ev), odd(ev), padded(2 * ev);
+    std::vector<opmath_t> padded(2 * ev);
     for (int64_t nc = begin; nc < end; ++nc) {
       const int64_t c = nc % C;
       const scalar_t* gp = g + nc * Ho * Wo;
@@ -64,24 +64,30 @@ void dw_dgrad_nchw_s2(const conv::DwDgradParams& p) {
       for (int t = 0; t < 9; ++t) wv[t] = V(static_cast<opmath_t>(w[c * 9 + t]));
       scalar_t* out = gx + nc * H * W;
       for (int64_t ih = 0; ih < H; ++ih) {
-        std::fill(even.begin(), even.end(), opmath_t(0));
-        std::fill(odd.begin(), odd.end(), opmath_t(0));
-        const int64_t r = ih + pad;  // padded row: 2 oh + kh
-        for (int kh = (r & 1); kh < 3; kh += 2) {
+        // The grad_out rows this input row takes (padded row r = 2 oh + kh:
+        // kh = 0 and 2 for an even r, kh = 1 for an odd one) and their taps.
+        const int64_t r = ih + pad;
+        const opmath_t* z[2];
+        int kh_of[2];
+        int rows = 0;
+        for (int kh = static_cast<int>(r & 1); kh < 3; kh += 2) {
           const int64_t oh = (r - kh) / 2;
-          if (r < kh || oh >= Ho) continue;
-          const opmath_t* z = gplane.data() + oh * zlen;
-          for (int64_t j = 0; j < ev; j += L) {
-            const V cur = V::loadu(z + 1 + j), prev = V::loadu(z + j);
-            const V e = at::vec::fmadd(cur, wv[kh * 3], at::vec::fmadd(prev, wv[kh * 3 + 2], V::loadu(even.data() + j)));
-            e.store(even.data() + j);
-            at::vec::fmadd(cur, wv[kh * 3 + 1], V::loadu(odd.data() + j)).store(odd.data() + j);
+          if (r >= kh && oh < Ho) {
+            z[rows] = gplane.data() + oh * zlen;
+            kh_of[rows++] = kh;
           }
         }
-        // padded[2 j] = even[j], padded[2 j + 1] = odd[j]; the row is
-        // padded[pad, pad + W).
+        // Even columns 2 j: z[1 + j] w0 + z[j] w2; odd columns 2 j + 1:
+        // z[1 + j] w1; interleaved into padded[2 j], padded[2 j + 1].
         for (int64_t j = 0; j < ev; j += L) {
-          const auto pair = at::vec::interleave2(V::loadu(even.data() + j), V::loadu(odd.data() + j));
+          V e(opmath_t(0)), od(opmath_t(0));
+          for (int i = 0; i < rows; ++i) {
+            const V cur = V::loadu(z[i] + 1 + j), prev = V::loadu(z[i] + j);
+            const V* wk = wv + kh_of[i] * 3;
+            e = at::vec::fmadd(cur, wk[0], at::vec::fmadd(prev, wk[2], e));
+            od = at::vec::fmadd(cur, wk[1], od);
+          }
+          const auto pair = at::vec::interleave2(e, od);
           pair.first.store(padded.data() + 2 * j);
           pair.second.store(padded.data() + 2 * j + L);
         }
