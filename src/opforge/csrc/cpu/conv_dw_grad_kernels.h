@@ -11,7 +11,7 @@
 //
 // - NCHW: one work item per channel; each (image, channel) plane of x is
 //   staged once into zero-padded opmath rows (stride 2: each row split into
-//   its even and odd columns, as the forward stages them), then every
+//   its even and odd columns by the forward's stage_even_odd), then every
 //   grad_out row adds its 9 tap products along W (3 staged rows x 3 shifted
 //   loads, contiguous for either stride).
 // - NHWC: vectorised along the channels; the N * Ho output rows are cut into
@@ -96,14 +96,12 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
   const int64_t Wp = W + 2 * pad, Hp = H + 2 * pad;
   const int64_t E = (Wp + 1) / 2;  // stride 2: the odd padded columns' offset in a staged row
   const int64_t wvec = (Wo + L - 1) / L * L;  // grad_out columns, whole vectors
-  // Staged rows: L values of slack past Wp (split_even_odd's spill).
+  // Staged rows: whole vectors past the last tap a partial vector could read.
   const int64_t rowlen = std::max((Wp + L - 1) / L * L, wvec + 2) + L;
   at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
     // Zero padding (rows and columns outside the image) stays zero: staging
-    // writes only columns [pad, pad + W) of rows [pad, pad + H) (stride 2:
-    // whole rows, split from a zero-padded copy).
+    // writes only the entries of columns [pad, pad + W) of rows [pad, pad + H).
     std::vector<opmath_t> plane(Hp * rowlen, opmath_t(0));
-    std::vector<opmath_t> split(S == 2 ? 2 * rowlen : 0, opmath_t(0));
     std::vector<opmath_t> grow(wvec, opmath_t(0));
     for (int64_t c = begin; c < end; ++c) {
       V acc[9], accb(opmath_t(0));
@@ -122,13 +120,16 @@ void dw_wgrad_nchw(const conv::DwGradParams& p) {
         };
         for (int64_t ih = 0; ih < H; ++ih) {
           opmath_t* row = plane.data() + (ih + pad) * rowlen;
-          opmath_t* d = (S == 1 ? row : split.data()) + pad;
           const scalar_t* xr = xp + ih * W;
           prefetch(x, H * W, ih * W, W);
-          int64_t iw = 0;
-          for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
-          if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
-          if (S == 2) split_even_odd(split.data(), row, Wp, E);
+          if constexpr (S == 2) {
+            stage_even_odd<scalar_t>(xr, nullptr, row, W, pad, E);
+          } else {
+            opmath_t* d = row + pad;
+            int64_t iw = 0;
+            for (; iw + L <= W; iw += L) IO::load(xr + iw).store(d + iw);
+            if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
+          }
         }
         const scalar_t* gp = g + (n * C + c) * Ho * Wo;
         const scalar_t* mp = mask ? mask + (n * C + c) * Ho * Wo : nullptr;

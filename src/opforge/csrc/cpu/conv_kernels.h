@@ -258,36 +258,32 @@ inline void dw_nchw_rows(const at::opmath_type<scalar_t>* plane, int64_t rowlen,
   }
 }
 
-// Stride 2 staging: the padded row t[0, Wp) to row[0, E) (even columns) and
-// row[E, Wp) (odd ones). t must hold zeros (or anything) up to 2 * E + 2 * L
-// and row must have L values of slack past Wp: whole vectors are moved, the
-// even part first so that the odd part overwrites its spill past E.
-template <typename T>
-inline void split_even_odd(const T* t, T* row, int64_t Wp, int64_t E) {
-#if defined(CPU_CAPABILITY_AVX512)
-  using V = at::vec::Vectorized<T>;
+// Stride 2 staging, straight from the input row: padded column q = iw + pad
+// goes to row[q / 2] when q is even and to row[E + q / 2] when it is odd, in
+// opmath (grad_out passed by `mr` when that is not null). Pairs of input
+// vectors are split with deinterleave2 and stored with exact counts, so the
+// padding entries, zero since the buffer was made, are never written.
+// (Staging the padded row first and splitting it after read back what had
+// just been stored at another offset: a store-forwarding stall per vector,
+// and stride 2 ran slower than stride 1 on the same input.)
+template <typename scalar_t>
+inline void stage_even_odd(const scalar_t* xr, const scalar_t* mr, at::opmath_type<scalar_t>* row, int64_t W,
+                           int64_t pad, int64_t E) {
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   constexpr int64_t L = V::size();
-  if constexpr (std::is_same_v<T, float>) {
-    const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    for (int64_t j = 0; j < E; j += L)
-      _mm512_storeu_ps(row + j, _mm512_permutex2var_ps(_mm512_loadu_ps(t + 2 * j), ie, _mm512_loadu_ps(t + 2 * j + L)));
-    for (int64_t j = 0; j < Wp / 2; j += L)
-      _mm512_storeu_ps(row + E + j,
-                       _mm512_permutex2var_ps(_mm512_loadu_ps(t + 2 * j), io, _mm512_loadu_ps(t + 2 * j + L)));
-    return;
-  } else {
-    const __m512i ie = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m512i io = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
-    for (int64_t j = 0; j < E; j += L)
-      _mm512_storeu_pd(row + j, _mm512_permutex2var_pd(_mm512_loadu_pd(t + 2 * j), ie, _mm512_loadu_pd(t + 2 * j + L)));
-    for (int64_t j = 0; j < Wp / 2; j += L)
-      _mm512_storeu_pd(row + E + j,
-                       _mm512_permutex2var_pd(_mm512_loadu_pd(t + 2 * j), io, _mm512_loadu_pd(t + 2 * j + L)));
-    return;
+  auto load = [&](int64_t iw, int64_t n) {
+    if (n <= 0) return V(0);
+    return n >= L ? load_passed(xr + iw, mr ? mr + iw : nullptr)
+                  : load_passed(xr + iw, mr ? mr + iw : nullptr, static_cast<int>(n));
+  };
+  for (int64_t iw = 0; iw < W; iw += 2 * L) {
+    const int64_t n = std::min(2 * L, W - iw);
+    const auto split = at::vec::deinterleave2(load(iw, n), load(iw + L, n - L));
+    // x[iw + 2k] is padded column iw + 2k + pad (iw is even).
+    const bool even_pad = pad % 2 == 0;
+    split.first.store(even_pad ? row + (iw + pad) / 2 : row + E + (iw + pad - 1) / 2, static_cast<int>((n + 1) / 2));
+    split.second.store(even_pad ? row + E + (iw + pad) / 2 : row + (iw + pad + 1) / 2, static_cast<int>(n / 2));
   }
-#endif
-  for (int64_t q = 0; q < Wp; ++q) row[(q & 1) ? E + (q >> 1) : (q >> 1)] = t[q];
 }
 
 // NCHW: work items are (image, channel, range of output rows); a plane is
@@ -324,8 +320,6 @@ void dw_nchw(const conv::DwParams& p) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rows_per_item * Wo * m));
   at::parallel_for(0, planes * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> plane_buf(Hp * rowlen + 64 / sizeof(opmath_t), opmath_t(0));
-    std::vector<opmath_t> split_buf(s == 2 ? 2 * rowlen : 0, opmath_t(0));
-    opmath_t* split = split_buf.data();
     opmath_t* plane = reinterpret_cast<opmath_t*>((reinterpret_cast<uintptr_t>(plane_buf.data()) + 63) & ~uintptr_t(63));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nc = item / chunks, oh0 = (item % chunks) * rows_per_item;
@@ -348,13 +342,15 @@ void dw_nchw(const conv::DwParams& p) {
           // The next planes follow in memory: ask for the bytes about
           // kPrefetch ahead now, so they arrive while this row is used.
           for (int64_t q = 0; q < W; q += kLine) __builtin_prefetch(xr + kPrefetch + q, 0, 3);
-          // Stride 1 stages the padded row in place; stride 2 stages it into
-          // `split` first, then splits its even and odd columns.
-          opmath_t* t = s == 1 ? row : split;
-          opmath_t* d = t + pad;
+          const scalar_t* mr = mp ? mp + ih * W : nullptr;
+          if (s == 2) {
+            stage_even_odd(xr, mr, row, W, pad, E);
+            continue;
+          }
+          // Stride 1 stages the padded row in place.
+          opmath_t* d = row + pad;
           int64_t iw = 0;
-          if (mp) {
-            const scalar_t* mr = mp + ih * W;
+          if (mr) {
             for (; iw + L <= W; iw += L) load_passed(xr + iw, mr + iw).store(d + iw);
             if (iw < W) load_passed(xr + iw, mr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
           } else {
@@ -362,9 +358,8 @@ void dw_nchw(const conv::DwParams& p) {
             if (iw < W) IO::load(xr + iw, static_cast<int>(W - iw)).store(d + iw, static_cast<int>(W - iw));
           }
           // Padding columns (2 for the backward's grad x of a padding-0 conv).
-          std::fill(t, t + pad, opmath_t(0));
-          std::fill(t + pad + W, t + Wp, opmath_t(0));
-          if (s == 2) split_even_odd(split, row, Wp, E);
+          std::fill(row, row + pad, opmath_t(0));
+          std::fill(row + pad + W, row + Wp, opmath_t(0));
         }
       };
       for (int64_t j = 0; j < m; ++j) {
