@@ -428,13 +428,18 @@ def test_depthwise_backward_stride1(dtype, padding, relu, channels_last, c, devi
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("padding", [0, 1])
 @pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("shape", [(3, 12, 37, 70), (2, 6, 8, 7), (1, 5, 3, 3), (2, 3, 4, 33)])
-def test_depthwise_backward_stride2_nchw_cpu(dtype, padding, relu, shape):
-    """The CPU's direct stride-2 NCHW depthwise backward (grad x from even
-    and odd columns, weight sums on rows split the same way): odd and even
-    sizes, both paddings, against float64."""
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("shape", [(3, 12, 37, 70), (2, 6, 8, 7), (1, 5, 3, 3), (2, 3, 4, 33), (1, 20, 9, 6)])
+def test_depthwise_backward_stride2_cpu(dtype, padding, relu, channels_last, shape):
+    """The CPU's direct stride-2 depthwise backward (NCHW: grad x from even
+    and odd columns, weight sums on rows split the same way; NHWC: each
+    pixel's taps along the channels, the weight window moving two columns;
+    float32 NHWC goes to oneDNN): odd and even sizes, channel counts with and
+    without a vector tail, both paddings, against float64."""
     c = shape[1]
     x = rand(shape, dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
     w, b = rand((c, 1, 3, 3), dtype), rand((c,), dtype)
     out = opforge.conv2d_3x3(x, w, b, 2, padding, c, "relu" if relu else None)
     g = rand(out.shape, dtype)
@@ -448,20 +453,25 @@ def test_depthwise_backward_stride2_nchw_cpu(dtype, padding, relu, shape):
     torch.testing.assert_close(gx.double(), x2.grad, atol=atol * 2, rtol=rtol)  # at most 4 terms
     for ours, theirs in ((gw, w2.grad), (gb, b2.grad)):
         torch.testing.assert_close(ours.double(), theirs, atol=_reduction_atol(dtype, plane), rtol=rtol)
-    assert gx.dtype == dtype and gx.is_contiguous()
+    assert gx.dtype == dtype
+    assert gx.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-# (channels_last stride 2 goes through ATen, whose sums depend on the threads)
-@pytest.mark.parametrize("channels_last,stride", [(False, 1), (True, 1), (False, 2)])
-def test_depthwise_backward_cpu_independent_of_threads(channels_last, stride):
+# (float32 channels_last at stride 2 goes through oneDNN, whose sums depend on
+# the threads; bfloat16 takes this library's loops there)
+@pytest.mark.parametrize(
+    "channels_last,stride,dtype",
+    [(False, 1, torch.float32), (True, 1, torch.float32), (False, 2, torch.float32), (True, 2, torch.bfloat16)],
+)
+def test_depthwise_backward_cpu_independent_of_threads(channels_last, stride, dtype):
     """The CPU weight and bias sums are added in an order fixed by the shape,
     so one thread and several give the same bits."""
-    x = rand((3, 20, 29, 33), torch.float32)
+    x = rand((3, 20, 29, 33), dtype)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
-    w, b = rand((20, 1, 3, 3), torch.float32), rand((20,), torch.float32)
+    w, b = rand((20, 1, 3, 3), dtype), rand((20,), dtype)
     out = opforge.conv2d_3x3(x, w, b, stride, 1, 20, "relu")
-    g = rand(out.shape, torch.float32)
+    g = rand(out.shape, dtype)
     op = torch.ops.opforge._conv2d_3x3_backward
     threads = torch.get_num_threads()
     try:
@@ -488,7 +498,7 @@ def test_depthwise_backward_every_cpu_isa(capability):
     code = """
 import math, torch, torch.nn.functional as F, opforge
 for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
-    for cl, s in ((False, 1), (True, 1), (False, 2)):
+    for cl, s in ((False, 1), (True, 1), (False, 2), (True, 2)):
         for pad in (0, 1):
             for c in (20, 6):
                 x = torch.randn(2, c, 13, 17, dtype=torch.float64).to(dtype)

@@ -34,6 +34,7 @@ OPFORGE_CPU_DECLARE(void, conv_dw_nhwc, c10::ScalarType, const opforge::conv::Dw
 OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nchw, c10::ScalarType, const opforge::conv::DwGradParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nhwc, c10::ScalarType, const opforge::conv::DwGradParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nchw_s2, c10::ScalarType, const opforge::conv::DwDgradParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nhwc_s2, c10::ScalarType, const opforge::conv::DwDgradParams&)
 OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t, bool,
                     bool)
 
@@ -275,17 +276,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
 
 namespace {
 
-// Depthwise, multiplier 1, stride 1 (either layout) or stride 2 (NCHW):
-// grad x is, for stride 1, the forward's loop run on grad_out (masked by the
-// ReLU's result as it is staged) with the kernel flipped and padding
-// 2 - padding (its output has x's shape), for stride 2 conv_dw_dgrad_nchw_s2;
-// the weight and bias sums come from conv_dw_wgrad_* (masking as they read).
+// Depthwise, multiplier 1 (see direct_depthwise_backward): grad x is, for stride
+// 1, the forward's loop run on grad_out (masked by the ReLU's result as it is
+// staged) with the kernel flipped and padding 2 - padding (its output has x's
+// shape), for stride 2 conv_dw_dgrad_*_s2; the weight and bias sums come from
+// conv_dw_wgrad_* (masking as they read).
 // No masked copy of grad_out is written. All in opmath, rounded once.
 // (Through ATen, oneDNN's CPU depthwise backward ran at a quarter of the
 // forward's bandwidth at stride 1, and its stride-2 NCHW grad x took 11x
 // the forward.)
-bool direct_depthwise_backward(const Geometry& g, bool nhwc) {
-  return g.depthwise && g.mult == 1 && (g.stride == 1 || !nhwc);
+// float32 NHWC at stride 2 stays with oneDNN, up to 1.5x faster than these
+// loops there (0.87-1.52x over three shapes; its half-type and float64
+// paths were 10-35x slower).
+bool direct_depthwise_backward(const Geometry& g, const at::Tensor& x) {
+  const bool nhwc = opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast;
+  return g.depthwise && g.mult == 1 && !(g.stride == 2 && nhwc && x.scalar_type() == at::kFloat);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const at::Tensor& grad_out,
@@ -306,7 +311,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
     if (g.stride == 2) {
       const opforge::conv::DwDgradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, go.const_data_ptr(), mask,
                                            w.const_data_ptr(), gx.data_ptr()};
-      OPFORGE_CPU_SELECT(conv_dw_dgrad_nchw_s2)(dtype, p);
+      (nhwc ? OPFORGE_CPU_SELECT(conv_dw_dgrad_nhwc_s2) : OPFORGE_CPU_SELECT(conv_dw_dgrad_nchw_s2))(dtype, p);
     } else {
       const at::Tensor wflip = w.flip({2, 3}).contiguous();
       const opforge::conv::DwParams p{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
@@ -330,8 +335,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
     int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
   const Geometry g = opforge::conv::check_conv_args(kBwdOp, x, w, c10::nullopt, stride, padding, groups);
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, g);
-  if (direct_depthwise_backward(g, opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast) &&
-      x.numel() > 0 && grad_out.numel() > 0) {
+  if (direct_depthwise_backward(g, x) && x.numel() > 0 && grad_out.numel() > 0) {
     return depthwise_backward_direct(grad_out, result, x, w, g, mask);
   }
   return opforge::conv::backward_via_aten(grad_out, result, x, w, g, mask);

@@ -1,5 +1,5 @@
-// Depthwise input gradient of a stride-2 NCHW convolution on the CPU
-// (channel multiplier 1), compiled once per ISA by conv_cpu_{default,avx2,
+// Depthwise input gradient of a stride-2 convolution on the CPU (channel
+// multiplier 1, NCHW or NHWC), compiled once per ISA by conv_cpu_{default,avx2,
 // avx512}.cpp after cpu/conv_kernels.h; cpu/conv.cpp picks the ISA at run
 // time. (Stride 1 runs the forward's loop with the kernel flipped.)
 //
@@ -8,9 +8,13 @@
 // In padded coordinates q = iw + pad, an even column q = 2j takes taps
 // kw = 0 (ow = j) and kw = 2 (ow = j - 1), an odd one q = 2j + 1 the tap
 // kw = 1 (ow = j); likewise a padded row takes kh = 0 and 2 or kh = 1. So
-// each input row is two contiguous vector sums over one or two grad_out rows,
-// even and odd columns, interleaved once on the way out: no scatter, and
-// every output element is written once (work items are whole planes).
+// each NCHW input row is two contiguous vector sums over one or two grad_out
+// rows, even and odd columns, interleaved once on the way out: no scatter,
+// and every output element is written once (work items are whole planes).
+// NHWC: each input row first passes its one or two grad_out rows into an
+// opmath buffer, then, per channel vector with its 9 weight vectors in
+// registers (weights transposed to (9, C)), each pixel sums its 1, 2 or 4
+// taps.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -101,7 +105,82 @@ void dw_dgrad_nchw_s2(const conv::DwDgradParams& p) {
   });
 }
 
+template <typename scalar_t>
+void dw_dgrad_nhwc_s2(const conv::DwDgradParams& p) {
+  using IO = VecIo<scalar_t>;
+  using opmath_t = at::opmath_type<scalar_t>;
+  using V = at::vec::Vectorized<opmath_t>;
+  constexpr int64_t L = V::size();
+  const auto* g = static_cast<const scalar_t*>(p.g);
+  const auto* mask = static_cast<const scalar_t*>(p.mask);
+  const auto* w = static_cast<const scalar_t*>(p.w);
+  auto* gx = static_cast<scalar_t*>(p.gx);
+  const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
+  const int64_t Cp = (C + L - 1) / L * L;
+  std::vector<opmath_t> wt(9 * Cp, opmath_t(0));  // wt[t * Cp + c] = w[c, t]
+  for (int64_t c = 0; c < C; ++c)
+    for (int t = 0; t < 9; ++t) wt[t * Cp + c] = static_cast<opmath_t>(w[c * 9 + t]);
+  // The grad_out pixel feeding padded index q through tap k (q = 2 o + k):
+  // k = 0 and 2 for an even q, 1 for an odd one, o in [0, limit).
+  auto taps = [](int64_t q, int64_t limit, int64_t (&o)[2], int (&k)[2]) {
+    int m = 0;
+    for (int kk = static_cast<int>(q & 1); kk < 3; kk += 2) {
+      if (q >= kk && (q - kk) / 2 < limit) {
+        o[m] = (q - kk) / 2;
+        k[m++] = kk;
+      }
+    }
+    return m;
+  };
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, W * C));
+  at::parallel_for(0, p.N * H, grain, [&](int64_t begin, int64_t end) {
+    // An input row's one or two grad_out rows, passed and in opmath, each
+    // pixel's channels padded to Cp (zeros past C).
+    std::vector<opmath_t> buf(2 * Wo * Cp, opmath_t(0));
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = row / H, ih = row % H;
+      int64_t oh[2], ow[2];
+      int kh[2], kw[2];
+      const int nr = taps(ih + pad, Ho, oh, kh);
+      for (int i = 0; i < nr; ++i) {
+        const int64_t off = (n * Ho + oh[i]) * Wo * C;
+        for (int64_t o = 0; o < Wo; ++o) {
+          for (int64_t c0 = 0; c0 < C; c0 += L) {
+            const int64_t at_g = off + o * C + c0;
+            const scalar_t* mp = mask ? mask + at_g : nullptr;
+            const V gv = c0 + L <= C ? load_passed(g + at_g, mp) : load_passed(g + at_g, mp, static_cast<int>(C - c0));
+            gv.store(buf.data() + (i * Wo + o) * Cp + c0);
+          }
+        }
+      }
+      scalar_t* out = gx + row * W * C;
+      for (int64_t c0 = 0; c0 < C; c0 += L) {
+        const int cnt = static_cast<int>(std::min<int64_t>(L, C - c0));
+        V wk[9];
+        for (int t = 0; t < 9; ++t) wk[t] = V::loadu(wt.data() + t * Cp + c0);
+        for (int64_t iw = 0; iw < W; ++iw) {
+          const int nc = taps(iw + pad, Wo, ow, kw);
+          V acc(opmath_t(0));
+          for (int i = 0; i < nr; ++i) {
+            const opmath_t* b = buf.data() + i * Wo * Cp + c0;
+            for (int j = 0; j < nc; ++j) acc = at::vec::fmadd(V::loadu(b + ow[j] * Cp), wk[kh[i] * 3 + kw[j]], acc);
+          }
+          if (cnt == L) {
+            IO::store(out + iw * C + c0, acc);
+          } else {
+            IO::store(out + iw * C + c0, acc, cnt);
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace conv_detail
+
+void conv_dw_dgrad_nhwc_s2(c10::ScalarType dtype, const conv::DwDgradParams& p) {
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_dgrad_nhwc_s2", [&] { conv_detail::dw_dgrad_nhwc_s2<scalar_t>(p); });
+}
 
 void conv_dw_dgrad_nchw_s2(c10::ScalarType dtype, const conv::DwDgradParams& p) {
   OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_dgrad_nchw_s2", [&] { conv_detail::dw_dgrad_nchw_s2<scalar_t>(p); });

@@ -1,5 +1,5 @@
 // Depthwise weight / bias gradients of the conv family on the CPU (channel
-// multiplier 1; stride 1, or 2 in NCHW), compiled once per ISA by conv_cpu_{default,avx2,
+// multiplier 1, stride 1 or 2), compiled once per ISA by conv_cpu_{default,avx2,
 // avx512}.cpp after cpu/conv_kernels.h; cpu/conv.cpp picks the ISA at run time.
 //
 // gw[c, kh, kw] = sum_{n, oh, ow} g[n, c, oh, ow] * x[n, c, S oh - pad + kh, S ow - pad + kw]
@@ -17,9 +17,9 @@
 // - NHWC: vectorised along the channels; the N * Ho output rows are cut into
 //   at most kNhwcChunks chunks of 4 rows or more (their count fixed by the
 //   shape), each summing into its own (10, K) partials while one channel
-//   vector walks two rows (AVX-512; one elsewhere) with the input window in
-//   registers (4 new loads per pixel for 18 products); the partials are
-//   added chunk by chunk at the end.
+//   vector walks two rows (AVX-512; one elsewhere, and at stride 2) with the
+//   input window in registers (4 new loads per pixel for 18 products); the
+//   partials are added chunk by chunk at the end.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -181,11 +181,12 @@ inline void prefetch_span(const scalar_t* p, int64_t n) {
 
 // R consecutive NHWC output rows' contribution to the 10 sums of channels
 // [c0, c0 + n) (n = L when Full), added into acc: xr[i] are input rows
-// oh - pad + i (i < R + 2; a row of zeros outside the image), gr[r] / mr[r]
-// output row oh + r's grad_out and mask rows (mask rows may be null). The
-// input window (R + 2 rows x 3 columns) walks along the rows, R + 2 new
-// loads per pixel for 9 R products: two rows at once share half the loads.
-template <typename scalar_t, int R, bool Full>
+// oh - pad + i (i < R + 2; a row of zeros outside the image; stride 2, R = 1:
+// rows 2 oh - pad + i), gr[r] / mr[r] output row oh + r's grad_out and mask
+// rows (mask rows may be null). The input window (R + 2 rows x 3 columns)
+// walks along the rows, R + 2 new loads per pixel for 9 R products (two rows
+// at once share half the loads); at stride 2 it moves two columns a pixel.
+template <typename scalar_t, int R, bool Full, int S = 1>
 inline void dw_wgrad_nhwc_rows(const scalar_t* const* xr, const scalar_t* const* gr, const scalar_t* const* mr,
                                int64_t C, int64_t W, int64_t Wo, int64_t pad, int64_t c0, int n,
                                at::vec::Vectorized<at::opmath_type<scalar_t>> (&acc)[10]) {
@@ -196,7 +197,7 @@ inline void dw_wgrad_nhwc_rows(const scalar_t* const* xr, const scalar_t* const*
   auto passed = [&](const scalar_t* src, const scalar_t* m) {
     return Full ? load_passed(src, m) : load_passed(src, m, n);
   };
-  V win[NR][3];  // win[i][kw]: input (oh - pad + i, ow - pad + kw)
+  V win[NR][3];  // win[i][kw]: input (S oh - pad + i, S ow - pad + kw)
   for (int i = 0; i < NR; ++i)
     for (int kw = 0; kw < 3; ++kw) {
       const int64_t iw = kw - pad;
@@ -210,17 +211,26 @@ inline void dw_wgrad_nhwc_rows(const scalar_t* const* xr, const scalar_t* const*
         for (int kw = 0; kw < 3; ++kw) acc[kh * 3 + kw] = at::vec::fmadd(gv, win[r + kh][kw], acc[kh * 3 + kw]);
       acc[9] = acc[9] + gv;
     }
-    const int64_t iw = ow + 3 - pad;  // the next pixel's new column
-    const bool in = iw < W;
-    for (int i = 0; i < NR; ++i) {
-      win[i][0] = win[i][1];
-      win[i][1] = win[i][2];
-      win[i][2] = in ? load(xr[i] + iw * C + c0) : V(0);
+    if constexpr (S == 1) {
+      const int64_t iw = ow + 3 - pad;  // the next pixel's new column
+      const bool in = iw < W;
+      for (int i = 0; i < NR; ++i) {
+        win[i][0] = win[i][1];
+        win[i][1] = win[i][2];
+        win[i][2] = in ? load(xr[i] + iw * C + c0) : V(0);
+      }
+    } else {
+      const int64_t iw = 2 * ow + 3 - pad;  // the next pixel's two new columns
+      for (int i = 0; i < NR; ++i) {
+        win[i][0] = win[i][2];
+        win[i][1] = iw < W ? load(xr[i] + iw * C + c0) : V(0);
+        win[i][2] = iw + 1 < W ? load(xr[i] + (iw + 1) * C + c0) : V(0);
+      }
     }
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, int S>
 void dw_wgrad_nhwc(const conv::DwGradParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
@@ -245,11 +255,12 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
       for (int64_t row = r0; row < r1;) {
         const int64_t n = row / Ho, oh = row % Ho;
         // Two output rows of one image at once where the chunk has them
-        // (AVX-512: 24 of its 32 vector registers; one row elsewhere).
-        const int R = kPairRows && row + 1 < r1 && oh + 1 < Ho ? 2 : 1;
+        // (AVX-512: 24 of its 32 vector registers; one row elsewhere, and at
+        // stride 2, where two rows would share one input row of five).
+        const int R = S == 1 && kPairRows && row + 1 < r1 && oh + 1 < Ho ? 2 : 1;
         const scalar_t* xr[4];
         for (int i = 0; i < R + 2; ++i) {
-          const int64_t ih = oh - pad + i;
+          const int64_t ih = oh * S - pad + i;
           xr[i] = ih >= 0 && ih < H ? x + (n * H + ih) * W * C : zeros.data();
         }
         const scalar_t* gr[2] = {g + row * Wo * C, g + (row + 1) * Wo * C};
@@ -257,7 +268,7 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
         // The next pass's new input rows and grad_out (and mask) rows, asked
         // for while this pass's channel vectors are walked.
         for (int64_t q = row + R; q < std::min(r1, row + 2 * R); ++q) {
-          const int64_t nn = q / Ho, ih = q % Ho - pad + 2;
+          const int64_t nn = q / Ho, ih = q % Ho * S - pad + 2;
           if (ih >= 0 && ih < H) prefetch_span(x + (nn * H + ih) * W * C, W * C);
           prefetch_span(g + q * Wo * C, Wo * C);
           if (mask) prefetch_span(mask + q * Wo * C, Wo * C);
@@ -267,12 +278,12 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
           for (int t = 0; t < 10; ++t) acc[t] = V(opmath_t(0));
           const bool full = c0 < cfull;
           const int cnt = full ? static_cast<int>(L) : static_cast<int>(C - c0);
-          if (R == 2) {
+          if (S == 1 && R == 2) {
             if (full) dw_wgrad_nhwc_rows<scalar_t, 2, true>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
             else dw_wgrad_nhwc_rows<scalar_t, 2, false>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
           } else {
-            if (full) dw_wgrad_nhwc_rows<scalar_t, 1, true>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
-            else dw_wgrad_nhwc_rows<scalar_t, 1, false>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            if (full) dw_wgrad_nhwc_rows<scalar_t, 1, true, S>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            else dw_wgrad_nhwc_rows<scalar_t, 1, false, S>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
           }
           for (int t = 0; t < 10; ++t) (V::loadu(pc + t * Cp + c0) + acc[t]).store(pc + t * Cp + c0);
         }
@@ -309,7 +320,13 @@ void conv_dw_wgrad_nchw(c10::ScalarType dtype, const conv::DwGradParams& p) {
 }
 
 void conv_dw_wgrad_nhwc(c10::ScalarType dtype, const conv::DwGradParams& p) {
-  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nhwc", [&] { conv_detail::dw_wgrad_nhwc<scalar_t>(p); });
+  OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nhwc", [&] {
+    if (p.stride == 2) {
+      conv_detail::dw_wgrad_nhwc<scalar_t, 2>(p);
+    } else {
+      conv_detail::dw_wgrad_nhwc<scalar_t, 1>(p);
+    }
+  });
 }
 
 }  // namespace opforge::cpu::CPU_CAPABILITY

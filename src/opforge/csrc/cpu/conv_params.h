@@ -18,8 +18,7 @@ struct DwParams {
   const void* mask = nullptr;
 };
 
-// The depthwise weight / bias gradient loops (multiplier 1; stride 1, or 2
-// in NCHW).
+// The depthwise weight / bias gradient loops (multiplier 1, stride 1 or 2).
 struct DwGradParams {
   int64_t N, C, H, W, Ho, Wo, pad;
   const void* g;     // grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
@@ -30,13 +29,13 @@ struct DwGradParams {
   int64_t stride = 1;
 };
 
-// The depthwise input gradient of a stride-2 NCHW convolution (multiplier 1).
+// The depthwise input gradient of a stride-2 convolution (multiplier 1).
 struct DwDgradParams {
   int64_t N, C, H, W, Ho, Wo, pad;
-  const void* g;     // grad_out (N, C, Ho, Wo) contiguous
+  const void* g;     // grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
   const void* mask;  // as DwGradParams::mask
   const void* w;     // (C, 1, 3, 3) contiguous
-  void* gx;          // (N, C, H, W) contiguous
+  void* gx;          // (N, C, H, W) contiguous, or (N, H, W, C)
 };
 
 }  // namespace opforge::conv
