@@ -32,16 +32,27 @@
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace conv_detail {
 
+// DwDgradParams' pointers as scalar_t.
+template <typename scalar_t>
+struct DgradPtrs {
+  const scalar_t *g, *mask, *w;
+  scalar_t* gx;
+  explicit DgradPtrs(const conv::DwDgradParams& p)
+      : g(static_cast<const scalar_t*>(p.g)),
+        mask(static_cast<const scalar_t*>(p.mask)),
+        w(static_cast<const scalar_t*>(p.w)),
+        gx(static_cast<scalar_t*>(p.gx)) {}
+};
+
 template <typename scalar_t>
 void dw_dgrad_nchw_s2(const conv::DwDgradParams& p) {
   using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const auto* g = static_cast<const scalar_t*>(p.g);
-  const auto* mask = static_cast<const scalar_t*>(p.mask);
-  const auto* w = static_cast<const scalar_t*>(p.w);
-  auto* gx = static_cast<scalar_t*>(p.gx);
+  const DgradPtrs<scalar_t> ptr(p);
+  const scalar_t *g = ptr.g, *mask = ptr.mask, *w = ptr.w;
+  scalar_t* gx = ptr.gx;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
   // Even padded columns: E = Wo + 1 of them (the last only takes kw = 2).
   const int64_t E = Wo + 1;
@@ -111,10 +122,9 @@ void dw_dgrad_nhwc_s2(const conv::DwDgradParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const auto* g = static_cast<const scalar_t*>(p.g);
-  const auto* mask = static_cast<const scalar_t*>(p.mask);
-  const auto* w = static_cast<const scalar_t*>(p.w);
-  auto* gx = static_cast<scalar_t*>(p.gx);
+  const DgradPtrs<scalar_t> ptr(p);
+  const scalar_t *g = ptr.g, *mask = ptr.mask, *w = ptr.w;
+  scalar_t* gx = ptr.gx;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
   const int64_t Cp = (C + L - 1) / L * L;
   std::vector<opmath_t> wt(9 * Cp, opmath_t(0));  // wt[t * Cp + c] = w[c, t]
