@@ -7,11 +7,12 @@
 // bias + ReLU epilogue as the tile's single write to the output.
 // Non-contiguous inputs take one .contiguous() in their suggested memory format.
 //
-// Backward: the ReLU mask (result > 0) is applied to grad_out by the add
-// family's fused _add_relu_backward kernel; then, depthwise with stride 1
-// and multiplier 1, grad x is the depthwise forward loop run on it with the
-// kernel flipped and the weight / bias sums are direct loops
-// (cpu/conv_dw_grad_kernels.h); otherwise ATen's convolution_backward
+// Backward: depthwise with multiplier 1 (but float32 channels_last at
+// stride 2), direct loops that apply the ReLU mask (result > 0) as they read
+// grad_out: grad x is the depthwise forward loop run on it with the kernel
+// flipped (stride 1) or cpu/conv_dw_dgrad_kernels.h (stride 2), the weight /
+// bias sums cpu/conv_dw_grad_kernels.h. Otherwise the add family's fused
+// _add_relu_backward kernel masks grad_out and ATen's convolution_backward
 // computes grad x / weight / bias (oneDNN on the CPU).
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
@@ -31,10 +32,10 @@
 
 OPFORGE_CPU_DECLARE(void, conv_dw_nchw, c10::ScalarType, const opforge::conv::DwParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_nhwc, c10::ScalarType, const opforge::conv::DwParams&)
-OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nchw, c10::ScalarType, const opforge::conv::DwGradParams&)
-OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nhwc, c10::ScalarType, const opforge::conv::DwGradParams&)
-OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nchw_s2, c10::ScalarType, const opforge::conv::DwDgradParams&)
-OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nhwc_s2, c10::ScalarType, const opforge::conv::DwDgradParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nchw, c10::ScalarType, const opforge::conv::DwBackwardParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nhwc, c10::ScalarType, const opforge::conv::DwBackwardParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nchw_s2, c10::ScalarType, const opforge::conv::DwBackwardParams&)
+OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nhwc_s2, c10::ScalarType, const opforge::conv::DwBackwardParams&)
 OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t, bool,
                     bool)
 
@@ -305,26 +306,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
   const void* mask = o.result.defined() ? o.result.const_data_ptr() : nullptr;
   const auto dtype = x.scalar_type();
   auto empty = [&] { return at::empty({0}, x.options()); };
-  at::Tensor gx = empty(), gw = empty(), gb = empty();
-  if (want[0]) {
-    gx = at::empty(x.sizes(), x.options().memory_format(fmt));
-    if (g.stride == 2) {
-      const opforge::conv::DwDgradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, go.const_data_ptr(), mask,
-                                           w.const_data_ptr(), gx.data_ptr()};
-      (nhwc ? OPFORGE_CPU_SELECT(conv_dw_dgrad_nhwc_s2) : OPFORGE_CPU_SELECT(conv_dw_dgrad_nchw_s2))(dtype, p);
-    } else {
-      const at::Tensor wflip = w.flip({2, 3}).contiguous();
-      const opforge::conv::DwParams p{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
-                                      go.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr(), mask};
-      (nhwc ? OPFORGE_CPU_SELECT(conv_dw_nhwc) : OPFORGE_CPU_SELECT(conv_dw_nchw))(dtype, p);
-    }
+  at::Tensor gx = want[0] ? at::empty(x.sizes(), x.options().memory_format(fmt)) : empty();
+  at::Tensor gw = want[1] ? at::empty(w.sizes(), w.options()) : empty();
+  at::Tensor gb = want[2] ? at::empty({g.K}, x.options()) : empty();
+  const opforge::conv::DwBackwardParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, g.stride, go.const_data_ptr(), mask,
+                                          x.const_data_ptr(), w.const_data_ptr(), want[0] ? gx.data_ptr() : nullptr,
+                                          want[1] ? gw.data_ptr() : nullptr, want[2] ? gb.data_ptr() : nullptr};
+  if (want[0] && g.stride == 2) {
+    (nhwc ? OPFORGE_CPU_SELECT(conv_dw_dgrad_nhwc_s2) : OPFORGE_CPU_SELECT(conv_dw_dgrad_nchw_s2))(dtype, p);
+  } else if (want[0]) {
+    const at::Tensor wflip = w.flip({2, 3}).contiguous();
+    const opforge::conv::DwParams fp{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
+                                     go.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr(), mask};
+    (nhwc ? OPFORGE_CPU_SELECT(conv_dw_nhwc) : OPFORGE_CPU_SELECT(conv_dw_nchw))(dtype, fp);
   }
   if (want[1] || want[2]) {
-    if (want[1]) gw = at::empty(w.sizes(), w.options());
-    if (want[2]) gb = at::empty({g.K}, x.options());
-    const opforge::conv::DwGradParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, go.const_data_ptr(), mask,
-                                        x.const_data_ptr(), want[1] ? gw.data_ptr() : nullptr,
-                                        want[2] ? gb.data_ptr() : nullptr, g.stride};
     (nhwc ? OPFORGE_CPU_SELECT(conv_dw_wgrad_nhwc) : OPFORGE_CPU_SELECT(conv_dw_wgrad_nchw))(dtype, p);
   }
   return {gx, gw, gb};

@@ -32,25 +32,13 @@
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace conv_detail {
 
-// DwDgradParams' pointers as scalar_t.
 template <typename scalar_t>
-struct DgradPtrs {
-  const scalar_t *g, *mask, *w;
-  scalar_t* gx;
-  explicit DgradPtrs(const conv::DwDgradParams& p)
-      : g(static_cast<const scalar_t*>(p.g)),
-        mask(static_cast<const scalar_t*>(p.mask)),
-        w(static_cast<const scalar_t*>(p.w)),
-        gx(static_cast<scalar_t*>(p.gx)) {}
-};
-
-template <typename scalar_t>
-void dw_dgrad_nchw_s2(const conv::DwDgradParams& p) {
+void dw_dgrad_nchw_s2(const conv::DwBackwardParams& p) {
   using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const DgradPtrs<scalar_t> ptr(p);
+  const BackwardPtrs<scalar_t> ptr(p);
   const scalar_t *g = ptr.g, *mask = ptr.mask, *w = ptr.w;
   scalar_t* gx = ptr.gx;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
@@ -117,12 +105,12 @@ void dw_dgrad_nchw_s2(const conv::DwDgradParams& p) {
 }
 
 template <typename scalar_t>
-void dw_dgrad_nhwc_s2(const conv::DwDgradParams& p) {
+void dw_dgrad_nhwc_s2(const conv::DwBackwardParams& p) {
   using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const DgradPtrs<scalar_t> ptr(p);
+  const BackwardPtrs<scalar_t> ptr(p);
   const scalar_t *g = ptr.g, *mask = ptr.mask, *w = ptr.w;
   scalar_t* gx = ptr.gx;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
@@ -188,11 +176,11 @@ void dw_dgrad_nhwc_s2(const conv::DwDgradParams& p) {
 
 }  // namespace conv_detail
 
-void conv_dw_dgrad_nhwc_s2(c10::ScalarType dtype, const conv::DwDgradParams& p) {
+void conv_dw_dgrad_nhwc_s2(c10::ScalarType dtype, const conv::DwBackwardParams& p) {
   OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_dgrad_nhwc_s2", [&] { conv_detail::dw_dgrad_nhwc_s2<scalar_t>(p); });
 }
 
-void conv_dw_dgrad_nchw_s2(c10::ScalarType dtype, const conv::DwDgradParams& p) {
+void conv_dw_dgrad_nchw_s2(c10::ScalarType dtype, const conv::DwBackwardParams& p) {
   OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_dgrad_nchw_s2", [&] { conv_detail::dw_dgrad_nchw_s2<scalar_t>(p); });
 }
 

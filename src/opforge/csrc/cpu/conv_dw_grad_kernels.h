@@ -37,19 +37,6 @@
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace conv_detail {
 
-// DwGradParams' pointers as scalar_t.
-template <typename scalar_t>
-struct GradPtrs {
-  const scalar_t *x, *g, *mask;
-  scalar_t *gw, *gb;
-  explicit GradPtrs(const conv::DwGradParams& p)
-      : x(static_cast<const scalar_t*>(p.x)),
-        g(static_cast<const scalar_t*>(p.g)),
-        mask(static_cast<const scalar_t*>(p.mask)),
-        gw(static_cast<scalar_t*>(p.gw)),
-        gb(static_cast<scalar_t*>(p.gb)) {}
-};
-
 // The lanes of v added in lane order.
 template <typename T>
 inline T lane_sum(const at::vec::Vectorized<T>& v) {
@@ -83,13 +70,13 @@ inline void wgrad_taps(const T* gp, const T* const (&rows)[3], int64_t E, int n,
 }
 
 template <typename scalar_t, int S>
-void dw_wgrad_nchw(const conv::DwGradParams& p) {
+void dw_wgrad_nchw(const conv::DwBackwardParams& p) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
   using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const GradPtrs<scalar_t> ptr(p);
+  const BackwardPtrs<scalar_t> ptr(p);
   const scalar_t *x = ptr.x, *g = ptr.g, *mask = ptr.mask;
   scalar_t *gw = ptr.gw, *gb = ptr.gb;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
@@ -231,11 +218,11 @@ inline void dw_wgrad_nhwc_rows(const scalar_t* const* xr, const scalar_t* const*
 }
 
 template <typename scalar_t, int S>
-void dw_wgrad_nhwc(const conv::DwGradParams& p) {
+void dw_wgrad_nhwc(const conv::DwBackwardParams& p) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
-  const GradPtrs<scalar_t> ptr(p);
+  const BackwardPtrs<scalar_t> ptr(p);
   const scalar_t *x = ptr.x, *g = ptr.g, *mask = ptr.mask;
   scalar_t *gw = ptr.gw, *gb = ptr.gb;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
@@ -309,7 +296,7 @@ void dw_wgrad_nhwc(const conv::DwGradParams& p) {
 
 }  // namespace conv_detail
 
-void conv_dw_wgrad_nchw(c10::ScalarType dtype, const conv::DwGradParams& p) {
+void conv_dw_wgrad_nchw(c10::ScalarType dtype, const conv::DwBackwardParams& p) {
   OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nchw", [&] {
     if (p.stride == 2) {
       conv_detail::dw_wgrad_nchw<scalar_t, 2>(p);
@@ -319,7 +306,7 @@ void conv_dw_wgrad_nchw(c10::ScalarType dtype, const conv::DwGradParams& p) {
   });
 }
 
-void conv_dw_wgrad_nhwc(c10::ScalarType dtype, const conv::DwGradParams& p) {
+void conv_dw_wgrad_nhwc(c10::ScalarType dtype, const conv::DwBackwardParams& p) {
   OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_dw_wgrad_nhwc", [&] {
     if (p.stride == 2) {
       conv_detail::dw_wgrad_nhwc<scalar_t, 2>(p);

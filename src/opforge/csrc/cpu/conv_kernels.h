@@ -148,6 +148,21 @@ inline at::vec::Vectorized<at::opmath_type<scalar_t>> load_passed(const scalar_t
   return mask ? V::blendv(v, V(0), IO::load(mask, n) <= V(0)) : v;
 }
 
+// DwBackwardParams' pointers as scalar_t.
+template <typename scalar_t>
+struct BackwardPtrs {
+  const scalar_t *g, *mask, *x, *w;
+  scalar_t *gx, *gw, *gb;
+  explicit BackwardPtrs(const conv::DwBackwardParams& p)
+      : g(static_cast<const scalar_t*>(p.g)),
+        mask(static_cast<const scalar_t*>(p.mask)),
+        x(static_cast<const scalar_t*>(p.x)),
+        w(static_cast<const scalar_t*>(p.w)),
+        gx(static_cast<scalar_t*>(p.gx)),
+        gw(static_cast<scalar_t*>(p.gw)),
+        gb(static_cast<scalar_t*>(p.gb)) {}
+};
+
 // Stride-1 taps of one staged row at column ow: x0 = R[ow..], x1 = R[ow+1..],
 // x2 = R[ow+2..]. With AVX-512 the rows are 64-byte aligned and the shifted
 // vectors are built from two aligned loads with valign (two unaligned loads

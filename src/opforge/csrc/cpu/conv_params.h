@@ -18,24 +18,18 @@ struct DwParams {
   const void* mask = nullptr;
 };
 
-// The depthwise weight / bias gradient loops (multiplier 1, stride 1 or 2).
-struct DwGradParams {
-  int64_t N, C, H, W, Ho, Wo, pad;
+// The depthwise backward loops (multiplier 1, stride 1 or 2): the weight /
+// bias sums (conv_dw_wgrad_*) and the stride-2 grad x (conv_dw_dgrad_*_s2);
+// outputs a loop does not write may be null.
+struct DwBackwardParams {
+  int64_t N, C, H, W, Ho, Wo, pad, stride;
   const void* g;     // grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
   const void* mask;  // the ReLU's result, g's shape and layout, or nullptr: g counts where mask > 0 (or NaN)
-  const void* x;  // (N, C, H, W) contiguous, or (N, H, W, C)
-  void* gw;       // (C, 1, 3, 3), or nullptr
-  void* gb;       // (C), or nullptr
-  int64_t stride = 1;
-};
-
-// The depthwise input gradient of a stride-2 convolution (multiplier 1).
-struct DwDgradParams {
-  int64_t N, C, H, W, Ho, Wo, pad;
-  const void* g;     // grad_out (N, C, Ho, Wo) contiguous, or (N, Ho, Wo, C)
-  const void* mask;  // as DwGradParams::mask
+  const void* x;     // (N, C, H, W) contiguous, or (N, H, W, C)
   const void* w;     // (C, 1, 3, 3) contiguous
-  void* gx;          // (N, C, H, W) contiguous, or (N, H, W, C)
+  void* gx;          // x's shape and layout, or nullptr
+  void* gw;          // (C, 1, 3, 3), or nullptr
+  void* gb;          // (C), or nullptr
 };
 
 }  // namespace opforge::conv
