@@ -269,12 +269,15 @@ def test_softmax_plan_candidates():
     # 2-byte values are held packed, two per register: twice the vectors of widened values
     assert softmax_plans.max_vectors(torch.bfloat16, 1) == 16 and softmax_plans.max_vectors(torch.bfloat16, 2) == 8
     fwd = softmax_plans.candidates(32768, torch.float32, 1)
-    assert (512, 1, 16, False) in fwd  # one block holds the row: 512 threads x 64 values
-    assert (256, 1, 16, True) in fwd  # a cluster of two
-    assert all(len(p) == 4 for p in fwd)
+    assert (512, 1, 16, False, False) in fwd  # one block holds the row: 512 threads x 64 values
+    assert (256, 1, 16, True, False) in fwd  # a cluster of two
+    assert (512, 1, 8, True, True) in fwd and (256, 1, 8, True, True) in fwd  # resident clusters of 2 and 4
+    assert (512, 1, 16, True, True) not in fwd  # two rows of 64 values: past the resident kernel's registers
+    assert all(len(p) == 5 for p in fwd)
+    assert softmax_plans.max_stream_vectors(torch.float32) == 8 and softmax_plans.max_stream_vectors(torch.bfloat16) == 8
     bwd = softmax_plans.candidates(40000, torch.bfloat16, 2)
-    assert (512, 1, 8, True) in bwd and (512, 1, 4, False) in bwd  # a cluster of 2, a split of 3 chunks
-    assert all(p[2] <= 8 for p in bwd)
+    assert (512, 1, 8, True, False) in bwd and (512, 1, 4, False, False) in bwd  # a cluster of 2, a split of 3
+    assert all(p[2] <= 8 and not p[4] for p in bwd)
 
 
 def test_source_commit_can_be_named(monkeypatch):

@@ -615,15 +615,16 @@ PLANS = [
 ]
 
 
-def max_vectors(dtype, K, arrays):
+def max_vectors(dtype, K, arrays, registers=64):
     """The kernels' limit: 64 registers of `arrays` opmath values per element (1 forward, 2 backward),
-    or of values as loaded, two per register (16-byte vectors of 2-byte types)."""
+    or of values as loaded, two per register (16-byte vectors of 2-byte types); resident clusters
+    hold two rows, each within 32 registers."""
     size = torch.empty((), dtype=dtype).element_size()
     width = 16 // size
     v = width if K % width == 0 else 1  # 16-byte vectors only when rows keep the alignment
     words_per_vec = v // 2 * arrays if size == 2 and v > 1 else v * arrays * (2 if size == 8 else 1)
     it = 16
-    while it > 1 and it * words_per_vec > 64:
+    while it > 1 and it * words_per_vec > registers:
         it //= 2
     return it
 
@@ -646,6 +647,48 @@ def test_cuda_explicit_plans(dtype, K, plan):
     assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
 
 
+# Resident clusters (persistent forward plans): each cluster walks several
+# rows (more rows than clusters fit on the GPU, not a multiple of them), so
+# both slot sets and the hand-over of the next row's loads are exercised,
+# on rows with special values in some chunks only.
+RESIDENT_PLANS = [
+    (40000, (512, 1, 4)),  # clusters of several blocks
+    (40000, (256, 1, 8)),  # clusters of 256-thread blocks, last chunk partly filled
+    (70001, (512, 1, 8)),  # scalar loads (odd K)
+    (4096, (256, 1, 4)),  # a resident block per row (a cluster of one)
+    (3000, (128, 1, 8)),  # rows shorter than the block holds
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("K,plan", RESIDENT_PLANS)
+def test_cuda_resident_cluster_plans(dtype, K, plan):
+    M = 6_000_000 // K + 7
+    x = rand((M, K), dtype, "cuda", scale=3.0)
+    x[1, K // 3] = float("-inf")
+    x[2] = float("-inf")  # a whole row of -inf: NaN, as torch
+    x[3, : K // 2] = float("-inf")  # chunks of only -inf beside finite ones
+    x[4, 7] = float("nan")
+    x[M - 1, K - 1] = float("inf")
+    tpr, rpb, vectors = plan
+    with poisoned("cuda"):
+        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1, 32)), True, True)
+    assert_close(y.cpu(), ref("softmax", x, -1), equal_nan=True, rtol_scale=max(1.0, K / 100000))
+    assert y[2].isnan().all() and y[4].isnan().all() and y[M - 1].isnan().all() and not y[3].isnan().any()
+    assert (y[3, : K // 2] == 0).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_long_rows_default_plan(name, dtype):
+    """Rows longer than one block (the default's resident clusters) over more rows than clusters."""
+    x = rand((203, 40000), dtype, "cuda", scale=3.0)
+    x[5, :20000] = float("-inf")
+    check(name, x, -1)
+
+
 @pytest.mark.cuda
 def test_cuda_explicit_plan_errors():
     x = torch.randn(4, 1024, device="cuda")
@@ -659,3 +702,7 @@ def test_cuda_explicit_plan_errors():
         torch.ops.opforge._softmax_plan(x, 32, 4, 1, False)
     with pytest.raises(ValueError, match="threads_per_row must be in \\[1, 512\\], got 0"):
         torch.ops.opforge._softmax_plan(x, 0, 1, 1, False)
+    with pytest.raises(ValueError, match="persistent clusters need cluster=True"):
+        torch.ops.opforge._softmax_plan(x, 256, 1, 1, False, True)
+    with pytest.raises(ValueError, match="vectors_per_thread must be <= 8 for persistent clusters"):
+        torch.ops.opforge._softmax_plan(x, 256, 1, 16, True, True)

@@ -7,7 +7,8 @@ For each shape, dtype and mode it times, as device time with inputs rotated
 past the L2 cache (``timing.time_cuda``): every plan the kernels accept for
 that row length (``torch.ops.opforge._softmax_plan`` /
 ``_softmax_backward_plan``: threads per row, rows per block, 16-byte vectors
-per thread, cluster or two-pass split for rows longer than a block), the
+per thread, cluster or two-pass split for rows longer than a block, and
+forward clusters that stay resident and walk the rows), the
 default plan (``opforge.softmax``), eager torch and a device copy of the same
 bytes. Each plan's result is checked against eager before it is timed.
 Prints the fastest plans per case; ``--json`` keeps every measurement.
@@ -48,11 +49,25 @@ def max_vectors(dtype: torch.dtype, arrays: int) -> int:
     return it
 
 
+def max_stream_vectors(dtype: torch.dtype) -> int:
+    """Vectors per thread of resident clusters (forward): a thread holds two rows' values, each
+    within 32 registers."""
+    size = torch.empty((), dtype=dtype).element_size()
+    v = 16 // size
+    words_per_vec = v // 2 if size == 2 else v * (2 if size == 8 else 1)
+    it = 16
+    while it > 1 and it * words_per_vec > 32:
+        it //= 2
+    return it
+
+
 def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
-    """(threads_per_row, rows_per_block, vectors_per_thread, cluster) plans worth timing for rows of k."""
+    """(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent) plans worth timing
+    for rows of k."""
     v = 16 // torch.empty((), dtype=dtype).element_size()
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
+        stream = arrays == 1 and it <= max_stream_vectors(dtype)
         for tpr in _pow2(1, 512):
             cap = tpr * v * it
             if cap >= k:
@@ -60,12 +75,17 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
                     continue  # half the threads would hold the row
                 for rpb in _pow2(1, 512 // tpr):
                     if tpr * rpb in (128, 256, 512) or (rpb == 1 and tpr * rpb > 512 // 2):
-                        out.append((tpr, rpb, it, False))
-            elif tpr >= 256:
+                        out.append((tpr, rpb, it, False, False))
+                if stream and tpr >= 128:
+                    out.append((tpr, 1, it, True, True))  # a resident block per row
+            elif tpr >= 128:
                 if math.ceil(k / cap) <= 16:
-                    out.append((tpr, 1, it, True))
-                if math.ceil(k / cap) <= 64:
-                    out.append((tpr, 1, it, False))
+                    if tpr >= 256:
+                        out.append((tpr, 1, it, True, False))
+                    if stream:
+                        out.append((tpr, 1, it, True, True))
+                if tpr >= 256 and math.ceil(k / cap) <= 64:
+                    out.append((tpr, 1, it, False, False))
     return out
 
 
@@ -127,8 +147,9 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
     for name, fn in providers.items():
         record(name, fn)
     for plan in candidates(k, dtype, arrays):
-        kind = "cluster" if plan[3] else "-"
-        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, plan=plan: plan_op(*a, *plan))
+        kind = "resident" if plan[4] else "cluster" if plan[3] else "-"
+        args = plan if plan[4] else plan[:4]  # the backward op has no persistent clusters
+        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, args=args: plan_op(*a, *args))
     return rows
 
 

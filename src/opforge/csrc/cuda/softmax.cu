@@ -239,15 +239,39 @@ __device__ __forceinline__ void cluster_exchange(const A (&mine)[N], A (&slots)[
 #endif
 }
 
-// Combines the (max, sum of exp) of every block of the cluster (one chunk of
-// the row each): gm = max m_i, gs = sum s_i * exp(m_i - gm). Every thread of
-// every block must call it; all get the result (each warp combines the
-// cluster's pairs itself: no block barrier after the cluster's).
+// The exchange of cluster_exchange split around other work (the resident
+// clusters of fwd_stream_kernel): cluster_publish writes the block's N
+// values into slot [rank] of every block's `slots` and arrives on the
+// cluster barrier (releasing the writes); cluster_wait, later, completes
+// that phase, after which this block's slots hold every block's values.
+template <typename A, int N>
+__device__ __forceinline__ void cluster_publish(const A (&mine)[N], A (&slots)[kMaxCluster][N]) {
+#if OPFORGE_SOFTMAX_CLUSTERS
+  cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
+  if (threadIdx.x < cl.num_blocks()) {
+    A* dst = cl.map_shared_rank(&slots[0][0], static_cast<int>(threadIdx.x)) + cl.block_rank() * N;
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = mine[i];
+  }
+  asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+// The pair a chunk contributes to its row: its max and sum of exp (an all
+// -inf chunk contributes nothing).
 template <typename A>
-__device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
-  __shared__ A slots[kMaxCluster][2];
-  const A mine[2] = {m, m == neg_inf<A>() ? A(0) : s};  // an all -inf chunk contributes nothing
-  cluster_exchange(mine, slots);
+__device__ __forceinline__ void chunk_pair(A m, A s, A (&pair)[2]) {
+  pair[0] = m;
+  pair[1] = m == neg_inf<A>() ? A(0) : s;
+}
+
+// Combines the (max, sum of exp) pairs of every block of the cluster in
+// this block's `slots`: gm = max m_i, gs = sum s_i * exp(m_i - gm). Each
+// warp combines them itself (no block barrier); all threads get the result.
+template <typename A>
+__device__ __forceinline__ void combine_pairs(const A (&slots)[kMaxCluster][2], A& gm, A& gs) {
   const unsigned lane = threadIdx.x & 31u;
   const bool have = lane < cluster_blocks();
   const A rm = have ? slots[lane][0] : neg_inf<A>();
@@ -258,6 +282,18 @@ __device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
   for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
   gm = mm;
   gs = t;
+}
+
+// Combines the (max, sum of exp) of every block of the cluster (one chunk of
+// the row each). Every thread of every block must call it; all get the
+// result.
+template <typename A>
+__device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
+  __shared__ A slots[kMaxCluster][2];
+  A mine[2];
+  chunk_pair(m, s, mine);
+  cluster_exchange(mine, slots);
+  combine_pairs(slots, gm, gs);
 }
 
 // The sum of one value per block of the cluster (see cluster_max_sum).
@@ -421,18 +457,14 @@ __device__ __forceinline__ void write_partial(A m, A sum, const Segment& s, int6
   }
 }
 
-// From a segment's values (-inf past its end) to its outputs, in place:
-// the max and the sum of exps over the row (phase 0), over the chunk then
-// combined with the row's other chunks (phases 2 and 3, combine_chunks),
-// and the normalisation. Phase 1 only writes the chunk's (max, sum)
-// partial and returns false: nothing to store. Every thread of the block
-// must call it.
+// A segment's max and sum of exp, each over the group, from its values
+// (-inf past its end); the values become exp(x - max) (log_softmax keeps
+// them). Every thread of the block must call it.
 template <typename T, int V, int IT, sm::Mode MODE>
-__device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segment& s, int G, int phase,
-                                               int64_t row0, Acc<T>* partials, int nchunks, Acc<T>* smem) {
+__device__ __forceinline__ void forward_stats(Acc<T> (&vals)[IT][V], const Segment& s, int G, Acc<T>* smem,
+                                              Acc<T>& m, Acc<T>& sum) {
   using A = Acc<T>;
-  // max over the segment
-  A m = neg_inf<A>();
+  m = neg_inf<A>();
 #pragma unroll
   for (int it = 0; it < IT; ++it)
 #pragma unroll
@@ -441,7 +473,7 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
 
   // sum of exp over the segment's elements (vectors past the end skipped;
   // a vector is wholly in or out of the row, see load_raw)
-  A sum = 0;
+  sum = 0;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
     if (s.offset(it, G, V) < s.len) {
@@ -454,29 +486,30 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
     }
   }
   sum = group_reduce(sum, G, SumOp{}, smem);
+}
 
-  if (phase == 1) {
-    write_partial(m, sum, s, row0, partials, nchunks);
-    return false;
-  }
-  if (phase >= 2) {
-    A gm, gs;
-    combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, gm, gs);
-    // Rescale this chunk's values from its own max to the row's.
-    // (An all -inf chunk holds exp(-inf - -inf) = NaN: its values are 0
-    // unless the whole row is -inf, where torch's NaN is right.)
-    if constexpr (MODE != sm::Mode::LogSoftmax) {
-      const bool empty_chunk = m == neg_inf<A>() && gm != neg_inf<A>();
-      const A r = empty_chunk ? A(0) : dev_exp(m - gm);
+// A chunk's exps, taken against its own max m, rescaled to the row's max gm
+// (log_softmax holds the inputs: nothing to do). An all -inf chunk holds
+// exp(-inf - -inf) = NaN: its values are 0 unless the whole row is -inf,
+// where torch's NaN is right.
+template <typename T, int V, int IT, sm::Mode MODE>
+__device__ __forceinline__ void rescale_chunk(Acc<T> (&vals)[IT][V], Acc<T> m, Acc<T> gm) {
+  using A = Acc<T>;
+  if constexpr (MODE != sm::Mode::LogSoftmax) {
+    const bool empty_chunk = m == neg_inf<A>() && gm != neg_inf<A>();
+    const A r = empty_chunk ? A(0) : dev_exp(m - gm);
 #pragma unroll
-      for (int it = 0; it < IT; ++it)
+    for (int it = 0; it < IT; ++it)
 #pragma unroll
-        for (int v = 0; v < V; ++v) vals[it][v] = empty_chunk ? A(0) : vals[it][v] * r;
-    }
-    m = gm;
-    sum = gs;
+      for (int v = 0; v < V; ++v) vals[it][v] = empty_chunk ? A(0) : vals[it][v] * r;
   }
+}
 
+// The outputs, in place, from the values (exps against the row's max m, or
+// the inputs for log_softmax) and the row's sum of exp.
+template <typename T, int V, int IT, sm::Mode MODE>
+__device__ __forceinline__ void normalize(Acc<T> (&vals)[IT][V], Acc<T> m, Acc<T> sum) {
+  using A = Acc<T>;
   if constexpr (MODE == sm::Mode::ScaledMasked) {
     if (m == neg_inf<A>()) {
       // Every key masked out: zeros (documented), not NaN.
@@ -484,7 +517,7 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
       for (int it = 0; it < IT; ++it)
 #pragma unroll
         for (int v = 0; v < V; ++v) vals[it][v] = A(0);
-      return true;
+      return;
     }
   }
   if constexpr (MODE == sm::Mode::LogSoftmax) {
@@ -500,6 +533,32 @@ __device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segm
 #pragma unroll
       for (int v = 0; v < V; ++v) vals[it][v] *= inv;
   }
+}
+
+// From a segment's values (-inf past its end) to its outputs, in place:
+// the max and the sum of exps over the row (phase 0), over the chunk then
+// combined with the row's other chunks (phases 2 and 3, combine_chunks),
+// and the normalisation. Phase 1 only writes the chunk's (max, sum)
+// partial and returns false: nothing to store. Every thread of the block
+// must call it.
+template <typename T, int V, int IT, sm::Mode MODE>
+__device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segment& s, int G, int phase,
+                                               int64_t row0, Acc<T>* partials, int nchunks, Acc<T>* smem) {
+  using A = Acc<T>;
+  A m, sum;
+  forward_stats<T, V, IT, MODE>(vals, s, G, smem, m, sum);
+  if (phase == 1) {
+    write_partial(m, sum, s, row0, partials, nchunks);
+    return false;
+  }
+  if (phase >= 2) {
+    A gm, gs;
+    combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, gm, gs);
+    rescale_chunk<T, V, IT, MODE>(vals, m, gm);
+    m = gm;
+    sum = gs;
+  }
+  normalize<T, V, IT, MODE>(vals, m, sum);
   return true;
 }
 
@@ -566,19 +625,15 @@ __device__ __forceinline__ float packed_max(const uint32_t (&w)[N]) {
 #endif
 }
 
-// finish_forward for values held as loaded (kPacked): w holds the
+// forward_stats for values held as loaded (kPacked): w holds the
 // segment's IT vectors of V values, V / 2 registers each (-inf past the
-// row). The same max, sum and combination, but each output is computed
-// from its input, exp(x - M) / S (or x - M - log S), so chunks need no
-// rescaling. For a row held whole (phase 0) the outputs equal
-// finish_forward's bit for bit.
-template <typename T, int V, int IT, sm::Mode MODE>
-__device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2], const Segment& s, int G, int phase,
-                                                      int64_t row0, float* partials, int nchunks, float* smem) {
+// row); the values stay as they are.
+template <typename T, int V, int IT>
+__device__ __forceinline__ void packed_stats(const uint32_t (&w)[IT * V / 2], const Segment& s, int G, float* smem,
+                                             float& m, float& sum) {
   constexpr int W = V / 2;  // registers per vector
-  float m = group_reduce(packed_max<T>(w), G, MaxOp{}, smem);
-
-  float sum = 0;
+  m = group_reduce(packed_max<T>(w), G, MaxOp{}, smem);
+  sum = 0;
 #pragma unroll
   for (int it = 0; it < IT; ++it) {
     if (s.offset(it, G, V) < s.len) {
@@ -592,17 +647,17 @@ __device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2],
     }
   }
   sum = group_reduce(sum, G, SumOp{}, smem);
+}
 
-  if (phase == 1) {
-    write_partial(m, sum, s, row0, partials, nchunks);
-    return false;
-  }
-  if (phase >= 2) combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, m, sum);
-
+// The outputs, in place, of values held as loaded, from the row's max m and
+// sum of exp: each from its input, exp(x - m) / sum (or x - m - log sum),
+// so chunks need no rescaling.
+template <typename T, int V, int IT, sm::Mode MODE>
+__device__ __forceinline__ void packed_outputs(uint32_t (&w)[IT * V / 2], float m, float sum) {
   const float c = MODE == sm::Mode::LogSoftmax ? m + dev_log(sum) : m;
   const float inv = 1.0f / sum;
 #pragma unroll
-  for (int k = 0; k < IT * W; ++k) {
+  for (int k = 0; k < IT * V / 2; ++k) {
     float lo, hi;
     widen2<T>(w[k], lo, hi);
     if constexpr (MODE == sm::Mode::LogSoftmax) {
@@ -611,6 +666,21 @@ __device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2],
       w[k] = narrow2<T>(elem_exp(lo - c) * inv, elem_exp(hi - c) * inv);
     }
   }
+}
+
+// finish_forward for values held as loaded (kPacked). For a row held whole
+// (phase 0) the outputs equal finish_forward's bit for bit.
+template <typename T, int V, int IT, sm::Mode MODE>
+__device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2], const Segment& s, int G, int phase,
+                                                      int64_t row0, float* partials, int nchunks, float* smem) {
+  float m, sum;
+  packed_stats<T, V, IT>(w, s, G, smem, m, sum);
+  if (phase == 1) {
+    write_partial(m, sum, s, row0, partials, nchunks);
+    return false;
+  }
+  if (phase >= 2) combine_chunks(m, sum, s, G, phase, row0, partials, nchunks, smem, m, sum);
+  packed_outputs<T, V, IT, MODE>(w, m, sum);
   return true;
 }
 
@@ -715,6 +785,89 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
   }
 
   if (finish_forward<T, V, IT, MODE>(vals, s, G, phase, row0, partials, nchunks, smem)) store_row<T, V, IT>(y, s, G, vals);
+}
+
+// Vectors per thread the resident-cluster forward takes: a thread holds two
+// rows' values (the current one and the next one's loads), each within 32
+// registers, so that no plan of it spills.
+template <typename T, int V, sm::Mode MODE>
+constexpr int stream_itmax() {
+  int it = 16;
+  while (it > 1 && it * value_words<T, V, 1, 1, MODE>() > 32) it /= 2;
+  return it;
+}
+
+// Rows longer than a block on clusters that stay resident (Kind::Stream,
+// softmax and log_softmax): the grid holds as many clusters as the GPU runs
+// at once (gridDim.y of them, a block per chunk of the row), and each walks
+// the rows blockIdx.y, blockIdx.y + gridDim.y, ... The cluster barrier is
+// split around the next row's loads: a block publishes its chunk's (max,
+// sum of exp) and arrives, issues the next row's loads, then waits and
+// writes the current row, so the wait for the cluster's slowest block
+// overlaps the block's own reads rather than leaving its SM without memory
+// traffic (where a cluster per row has every block idle from its last load
+// until the barrier opens). The pairs alternate between two slot sets: a
+// block can be a row ahead of another, never two (it cannot pass the next
+// barrier before the other has read its slots).
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup, 1)
+    fwd_stream_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk) {
+  static_assert(MODE != sm::Mode::ScaledMasked, "the masked forward keeps a cluster per row");
+  using A = Acc<T>;
+  __shared__ A smem[32];
+  __shared__ A slots[2][kMaxCluster][2];
+  cluster_arrive_relaxed();  // see cluster_exchange: waited on before the first publish
+  const int64_t K = a.K;
+  const Segment s = make_segment(G, 3, 0, rows, K, chunk);  // valid: gridDim.y <= rows
+  const T* x = static_cast<const T*>(a.in);
+  T* y = static_cast<T*>(a.out);
+  const int64_t stride = gridDim.y;
+  if constexpr (kPacked<T, V, 1, MODE>) {
+    constexpr int N = IT * V / 2;
+    uint32_t cur[N], next[N];
+    load_packed<T, V, IT>(x + s.row * K, s, G, packed_neg_inf<T>(), cur);
+    for (int64_t row = s.row, k = 0; row < rows; row += stride, ++k) {
+      float m, sum, mine[2];
+      packed_stats<T, V, IT>(cur, s, G, smem, m, sum);
+      chunk_pair(m, sum, mine);
+      if (k == 0) cluster_wait();
+      cluster_publish(mine, slots[k & 1]);
+      const bool more = row + stride < rows;
+      if (more) load_packed<T, V, IT>(x + (row + stride) * K, s, G, packed_neg_inf<T>(), next);
+      cluster_wait();
+      combine_pairs(slots[k & 1], m, sum);
+      packed_outputs<T, V, IT, MODE>(cur, m, sum);
+      store_packed<T, V, IT>(y + row * K, s, G, cur);
+      if (more) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) cur[i] = next[i];
+      }
+    }
+  } else {
+    A cur[IT][V], next[IT][V];
+    load_row<T, V, IT>(x + s.row * K, s, G, s.len, neg_inf<A>(), cur);
+    for (int64_t row = s.row, k = 0; row < rows; row += stride, ++k) {
+      A m, sum, mine[2];
+      forward_stats<T, V, IT, MODE>(cur, s, G, smem, m, sum);
+      chunk_pair(m, sum, mine);
+      if (k == 0) cluster_wait();
+      cluster_publish(mine, slots[k & 1]);
+      const bool more = row + stride < rows;
+      if (more) load_row<T, V, IT>(x + (row + stride) * K, s, G, s.len, neg_inf<A>(), next);
+      cluster_wait();
+      A gm, gs;
+      combine_pairs(slots[k & 1], gm, gs);
+      rescale_chunk<T, V, IT, MODE>(cur, m, gm);
+      normalize<T, V, IT, MODE>(cur, gm, gs);
+      store_row<T, V, IT>(y + row * K, s, G, cur);
+      if (more) {
+#pragma unroll
+        for (int it = 0; it < IT; ++it)
+#pragma unroll
+          for (int v = 0; v < V; ++v) cur[it][v] = next[it][v];
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------ backward, inner-most dim
@@ -961,16 +1114,19 @@ void with_iters(int it, F&& f) {
   }
 }
 
-enum class Kind { Rows, Cluster, Split };
+enum class Kind { Rows, Cluster, Stream, Split };
 
 // The knobs of a launch: threads per row (or per chunk of a row), rows per
-// block, vectors per thread, and whether a row longer than one block may
-// be split over a cluster.
+// block, vectors per thread, whether a row longer than one block may be
+// split over a cluster, and whether those clusters stay resident and walk
+// the rows (fwd_stream_kernel; also for rows one block holds: a cluster of
+// one).
 struct PlanRequest {
   int threads_per_row;
   int rows_per_block;
   int it;
   bool cluster;
+  bool stream = false;
 };
 
 struct Plan {
@@ -988,13 +1144,14 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   p.G = r.threads_per_row;
   p.block = r.threads_per_row * r.rows_per_block;
   const int64_t capacity = int64_t{p.G} * V * p.it;
-  if (K <= capacity) return p;
-  TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a plan that splits rows needs one row per block");
+  if (K <= capacity && !r.stream) return p;
+  TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a plan that splits rows or keeps clusters "
+                                           "resident needs one row per block");
   p.chunk = capacity;
   const int64_t n = ceil_div(K, capacity);  // grid.x: up to 2^31 - 1 chunks, no practical cap
   TORCH_CHECK(n < (int64_t{1} << 31), "opforge softmax: rows of ", opforge::num(K), " elements are too long");
   p.nchunks = static_cast<int>(n);
-  p.kind = r.cluster && n <= kMaxCluster ? Kind::Cluster : Kind::Split;
+  p.kind = r.cluster && n <= kMaxCluster ? (r.stream ? Kind::Stream : Kind::Cluster) : Kind::Split;
   return p;
 }
 
@@ -1100,14 +1257,14 @@ int cluster_attributes(cudaLaunchAttribute (&at)[2], int c) {
   return 2;
 }
 
-// Whether clusters of c blocks of `block` threads of `kernel` can run on
-// the current GPU: they need sm_90 code (clusters are compiled out below
-// that) and a GPU that can place them. Asked once per kernel, cluster size,
-// block size and device.
+// How many clusters of c blocks of `block` threads of `kernel` the current
+// GPU runs at once; 0 where it runs none: clusters need sm_90 code (they are
+// compiled out below that) and a GPU that can place them. Asked once per
+// kernel, cluster size, block size and device.
 template <typename Kernel>
-bool cluster_launchable(Kernel kernel, int c, int block) {
+int active_clusters(Kernel kernel, int c, int block) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int>, bool> known;
+  static std::map<std::tuple<const void*, int, int, int>, int> known;
   const int dev = c10::cuda::current_device();
   const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, dev);
   std::lock_guard<std::mutex> lock(mu);
@@ -1127,8 +1284,13 @@ bool cluster_launchable(Kernel kernel, int c, int block) {
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
     (void)cudaGetLastError();  // a refused query leaves no sticky error behind
   }
-  known.emplace(key, n > 0);
-  return n > 0;
+  known.emplace(key, n);
+  return n;
+}
+
+template <typename Kernel>
+bool cluster_launchable(Kernel kernel, int c, int block) {
+  return active_clusters(kernel, c, block) > 0;
 }
 
 // Launches `kernel` on `grid` in clusters of grid.x blocks.
@@ -1188,6 +1350,18 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   }
 }
 
+// Launches the resident-cluster forward (Kind::Stream): as many clusters as
+// the GPU runs at once, at most one per row. False, launching nothing,
+// where the GPU runs none.
+template <typename Kernel>
+bool run_stream(const Plan& p, Kernel kernel, const sm::FwdArgs& args, int64_t rows) {
+  const int n = active_clusters(kernel, p.nchunks, p.block);
+  if (n <= 0) return false;
+  const auto clusters = static_cast<unsigned>(std::min<int64_t>(rows, n));
+  launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), clusters, 1), p.block, args, p.G, rows, p.chunk);
+  return true;
+}
+
 // Whether this build's kernels can use clusters at all on the current GPU.
 // Asked by every launch: answered once per device, then read without the
 // occupancy cache's lock.
@@ -1227,8 +1401,9 @@ struct Budget {
   static constexpr int itlight() { return iters_within(V * words_per_elem<T>(ARRAYS), 32); }
 };
 
-// Checks a requested plan (the `_plan` ops) against what the kernels allow.
-void check_request(const PlanRequest& r, int itmax) {
+// Checks a requested plan (the `_plan` ops) against what the kernels allow
+// (stream_it: the most vectors per thread of resident clusters).
+void check_request(const PlanRequest& r, int itmax, int stream_it) {
   auto pow2 = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
   TORCH_CHECK_VALUE(pow2(r.threads_per_row) && r.threads_per_row <= kMaxGroup,
                     "opforge softmax plan: threads_per_row must be a power of two in [1, 512], got ",
@@ -1239,16 +1414,21 @@ void check_request(const PlanRequest& r, int itmax) {
                     opforge::num(r.rows_per_block));
   TORCH_CHECK_VALUE(pow2(r.it) && r.it <= itmax, "opforge softmax plan: vectors_per_thread must be a power of two <= ",
                     opforge::num(itmax), " for this dtype and alignment, got ", opforge::num(r.it));
+  TORCH_CHECK_VALUE(!r.stream || r.cluster, "opforge softmax plan: persistent clusters need cluster=True");
+  TORCH_CHECK_VALUE(!r.stream || r.it <= stream_it, "opforge softmax plan: vectors_per_thread must be <= ",
+                    opforge::num(stream_it), " for persistent clusters of this dtype and alignment, got ",
+                    opforge::num(r.it));
 }
 
 // The plan for rows of K elements in vectors of V: the requested one
 // (checked against the kernels' register budget B) or the default.
 // arrays: register arrays per element (1 forward, 2 backward).
+// stream_it: the most vectors per thread of resident clusters (0: none).
 template <typename B, int V>
-Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays) {
+Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays, int stream_it = 0) {
   constexpr int ITMAX = B::template itmax<V>();
   if (req != nullptr) {
-    check_request(*req, ITMAX);
+    check_request(*req, ITMAX, stream_it);
     return plan_from(*req, K, V);
   }
   return plan_from(default_request(K, V, B::template itplan<V>(), B::template itlight<V>(), clusters_available(), arrays,
@@ -1275,9 +1455,15 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 1, MODE>;
     constexpr int ITMAX = B::template itmax<V>();
-    const Plan p = resolve_plan<B, V>(req, a.K, 1);
+    Plan p = resolve_plan<B, V>(req, a.K, 1, stream_itmax<T, V, MODE>());
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
+      if (p.kind == Kind::Stream) {
+        if constexpr (MODE != sm::Mode::ScaledMasked && IT <= stream_itmax<T, V, MODE>()) {
+          if (run_stream(p, fwd_stream_kernel<T, V, IT, MODE>, a, a.outer)) return;
+        }
+        p.kind = p.nchunks > 1 ? Kind::Cluster : Kind::Rows;  // run_plan falls back to the split if need be
+      }
       run_plan<A>(p, fwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, sizeof(T), 2, x.options());
     });
   };
@@ -1342,18 +1528,19 @@ at::Tensor run_backward(sm::PreparedBwd p, const PlanRequest* req = nullptr) {
 }
 
 // The `_plan` ops: softmax over the last dim with a given launch plan.
-PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
+PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster,
+                         bool persistent = false) {
   auto small = [](int64_t v, const char* name) {
     TORCH_CHECK_VALUE(v >= 1 && v <= 512, "opforge softmax plan: ", name, " must be in [1, 512], got ", opforge::num(v));
     return static_cast<int>(v);
   };
   return {small(threads_per_row, "threads_per_row"), small(rows_per_block, "rows_per_block"),
-          small(vectors_per_thread, "vectors_per_thread"), cluster};
+          small(vectors_per_thread, "vectors_per_thread"), cluster, persistent};
 }
 
 at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64_t rows_per_block,
-                             int64_t vectors_per_thread, bool cluster) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
+                             int64_t vectors_per_thread, bool cluster, bool persistent) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent);
   return run_forward<sm::Mode::Softmax>(
       sm::prepare_softmax("opforge._softmax_plan", sm::Mode::Softmax, x, -1, std::nullopt), &r);
 }
