@@ -615,16 +615,15 @@ PLANS = [
 ]
 
 
-def max_vectors(dtype, K, arrays, registers=64):
+def max_vectors(dtype, K, arrays):
     """The kernels' limit: 64 registers of `arrays` opmath values per element (1 forward, 2 backward),
-    or of values as loaded, two per register (16-byte vectors of 2-byte types); resident clusters
-    hold two rows, each within 32 registers."""
+    or of values as loaded, two per register (16-byte vectors of 2-byte types)."""
     size = torch.empty((), dtype=dtype).element_size()
     width = 16 // size
     v = width if K % width == 0 else 1  # 16-byte vectors only when rows keep the alignment
     words_per_vec = v // 2 * arrays if size == 2 and v > 1 else v * arrays * (2 if size == 8 else 1)
     it = 16
-    while it > 1 and it * words_per_vec > registers:
+    while it > 1 and it * words_per_vec > 64:
         it //= 2
     return it
 
@@ -654,7 +653,8 @@ def test_cuda_explicit_plans(dtype, K, plan):
 RESIDENT_PLANS = [
     (40000, (512, 1, 4)),  # clusters of several blocks
     (40000, (256, 1, 8)),  # clusters of 256-thread blocks, last chunk partly filled
-    (70001, (512, 1, 8)),  # scalar loads (odd K)
+    (70001, (512, 1, 8)),  # scalar loads (odd K): a cluster per row instead
+    (65536, (512, 1, 16)),  # 64 registers of values per thread
     (4096, (256, 1, 4)),  # a resident block per row (a cluster of one)
     (3000, (128, 1, 8)),  # rows shorter than the block holds
 ]
@@ -673,7 +673,7 @@ def test_cuda_resident_cluster_plans(dtype, K, plan):
     x[M - 1, K - 1] = float("inf")
     tpr, rpb, vectors = plan
     with poisoned("cuda"):
-        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1, 32)), True, True)
+        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), True, True)
     assert_close(y.cpu(), ref("softmax", x, -1), equal_nan=True, rtol_scale=max(1.0, K / 100000))
     assert y[2].isnan().all() and y[4].isnan().all() and y[M - 1].isnan().all() and not y[3].isnan().any()
     assert (y[3, : K // 2] == 0).all()
@@ -698,11 +698,9 @@ def test_cuda_explicit_plan_errors():
         torch.ops.opforge._softmax_plan(x, 256, 4, 1, False)
     with pytest.raises(ValueError, match="vectors_per_thread must be a power of two <= 16 .* got 32"):
         torch.ops.opforge._softmax_plan(x, 32, 1, 32, False)
-    with pytest.raises(ValueError, match="a plan that splits rows needs one row per block"):
+    with pytest.raises(ValueError, match="a plan that splits rows or keeps clusters resident needs one row per block"):
         torch.ops.opforge._softmax_plan(x, 32, 4, 1, False)
     with pytest.raises(ValueError, match="threads_per_row must be in \\[1, 512\\], got 0"):
         torch.ops.opforge._softmax_plan(x, 0, 1, 1, False)
     with pytest.raises(ValueError, match="persistent clusters need cluster=True"):
         torch.ops.opforge._softmax_plan(x, 256, 1, 1, False, True)
-    with pytest.raises(ValueError, match="vectors_per_thread must be <= 8 for persistent clusters"):
-        torch.ops.opforge._softmax_plan(x, 256, 1, 16, True, True)

@@ -49,25 +49,13 @@ def max_vectors(dtype: torch.dtype, arrays: int) -> int:
     return it
 
 
-def max_stream_vectors(dtype: torch.dtype) -> int:
-    """Vectors per thread of resident clusters (forward): a thread holds two rows' values, each
-    within 32 registers."""
-    size = torch.empty((), dtype=dtype).element_size()
-    v = 16 // size
-    words_per_vec = v // 2 if size == 2 else v * (2 if size == 8 else 1)
-    it = 16
-    while it > 1 and it * words_per_vec > 32:
-        it //= 2
-    return it
-
-
 def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
     """(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent) plans worth timing
     for rows of k."""
     v = 16 // torch.empty((), dtype=dtype).element_size()
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
-        stream = arrays == 1 and it <= max_stream_vectors(dtype)
+        stream = arrays == 1  # resident clusters: forward only
         for tpr in _pow2(1, 512):
             cap = tpr * v * it
             if cap >= k:

@@ -42,6 +42,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <opforge/cuda_async.cuh>
 #include <opforge/cuda_launch.cuh>
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
@@ -787,33 +788,82 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
   if (finish_forward<T, V, IT, MODE>(vals, s, G, phase, row0, partials, nchunks, smem)) store_row<T, V, IT>(y, s, G, vals);
 }
 
-// Vectors per thread the resident-cluster forward takes: a thread holds two
-// rows' values (the current one and the next one's loads), each within 32
-// registers, so that no plan of it spills.
-template <typename T, int V, sm::Mode MODE>
-constexpr int stream_itmax() {
-  int it = 16;
-  while (it > 1 && it * value_words<T, V, 1, 1, MODE>() > 32) it /= 2;
-  return it;
+// Queues the asynchronous copies (cp.async, 16 bytes each) of the segment's
+// vectors of row p into this thread's slots of the shared-memory stage: slot
+// it of thread t at [it][t], so a warp's copies and reads are contiguous.
+// Vectors past the row are not read (the stage holds zeros there; the
+// reader fills them).
+template <typename T, int V, int IT>
+__device__ __forceinline__ void stage_row(const T* __restrict__ p, const Segment& s, int G, uint4* stage) {
+  const T* q = p + s.begin;
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const int off = s.offset(it, G, V);
+    opforge::cuda::cp_async16(opforge::cuda::smem_u32(&stage[it * blockDim.x + threadIdx.x]), q + (off < s.len ? off : 0),
+                              off < s.len);
+  }
+  opforge::cuda::cp_async_commit();
 }
 
-// Rows longer than a block on clusters that stay resident (Kind::Stream,
-// softmax and log_softmax): the grid holds as many clusters as the GPU runs
-// at once (gridDim.y of them, a block per chunk of the row), and each walks
-// the rows blockIdx.y, blockIdx.y + gridDim.y, ... The cluster barrier is
-// split around the next row's loads: a block publishes its chunk's (max,
-// sum of exp) and arrives, issues the next row's loads, then waits and
-// writes the current row, so the wait for the cluster's slowest block
-// overlaps the block's own reads rather than leaving its SM without memory
-// traffic (where a cluster per row has every block idle from its last load
-// until the barrier opens). The pairs alternate between two slot sets: a
-// block can be a row ahead of another, never two (it cannot pass the next
-// barrier before the other has read its slots).
+// The thread's staged vectors (stage_row) once its copies have landed, as
+// the row kernels hold them: packed words, `fill` past the row.
+template <typename T, int V, int IT>
+__device__ __forceinline__ void unstage_packed(const uint4* stage, const Segment& s, int G, uint32_t fill,
+                                               uint32_t (&w)[IT * V / 2]) {
+  static_assert(V * sizeof(T) == 16, "16-byte vectors");
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    const uint4 v = stage[it * blockDim.x + threadIdx.x];
+    const bool in = s.offset(it, G, V) < s.len;
+    w[it * 4 + 0] = in ? v.x : fill;
+    w[it * 4 + 1] = in ? v.y : fill;
+    w[it * 4 + 2] = in ? v.z : fill;
+    w[it * 4 + 3] = in ? v.w : fill;
+  }
+}
+
+// The same as opmath values (4- and 8-byte types).
+template <typename T, int V, int IT>
+__device__ __forceinline__ void unstage_values(const uint4* stage, const Segment& s, int G, Acc<T> fill,
+                                               Acc<T> (&vals)[IT][V]) {
+  static_assert(V * sizeof(T) == 16, "16-byte vectors");
+#pragma unroll
+  for (int it = 0; it < IT; ++it) {
+    AlignedVec<T, V> vec;
+    const uint4 raw = stage[it * blockDim.x + threadIdx.x];
+    memcpy(&vec, &raw, sizeof(vec));
+    const bool in = s.offset(it, G, V) < s.len;
+#pragma unroll
+    for (int v = 0; v < V; ++v) vals[it][v] = in ? static_cast<Acc<T>>(vec.val[v]) : fill;
+  }
+}
+
+// Whether fwd_stream_kernel takes a plan: 16-byte vectors (what it stages),
+// softmax and log_softmax (the masked forward keeps a cluster per row), and
+// for float64 at most 32 registers of values (64 spill: ptxas -v).
 template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup, 1)
+constexpr bool kStreams = MODE != sm::Mode::ScaledMasked && V * sizeof(T) == 16 &&
+                          (sizeof(T) < 8 || value_words<T, V, IT, 1, MODE>() <= 32);
+
+// Rows longer than a block on clusters that stay resident (Kind::Stream,
+// softmax and log_softmax, 16-byte vectors): the grid holds as many
+// clusters as the GPU runs at once (gridDim.y of them, a block per chunk of
+// the row), and each walks the rows blockIdx.y, blockIdx.y + gridDim.y, ...
+// As a block starts on a row it queues the copies of its chunk of the next
+// row into shared memory (cp.async; each thread copies, and later reads,
+// only its own vectors, so no block barrier guards the stage), so the next
+// row streams in while this one is reduced, exchanged and written; a
+// cluster per row instead leaves a block's SM without reads from its last
+// load until its row is written. The cluster barrier is split (publish the
+// chunk's (max, sum of exp) and arrive, then wait), and the pairs alternate
+// between two slot sets: a block can be a row ahead of another, never two
+// (it cannot pass the next barrier before the other has read its slots).
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>()))
     fwd_stream_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk) {
   static_assert(MODE != sm::Mode::ScaledMasked, "the masked forward keeps a cluster per row");
   using A = Acc<T>;
+  extern __shared__ uint4 stage[];  // IT x blockDim.x vectors
   __shared__ A smem[32];
   __shared__ A slots[2][kMaxCluster][2];
   cluster_arrive_relaxed();  // see cluster_exchange: waited on before the first publish
@@ -823,48 +873,45 @@ __global__ void __launch_bounds__(kMaxGroup, 1)
   T* y = static_cast<T*>(a.out);
   const int64_t stride = gridDim.y;
   if constexpr (kPacked<T, V, 1, MODE>) {
-    constexpr int N = IT * V / 2;
-    uint32_t cur[N], next[N];
-    load_packed<T, V, IT>(x + s.row * K, s, G, packed_neg_inf<T>(), cur);
+    uint32_t w[IT * V / 2];
+    load_packed<T, V, IT>(x + s.row * K, s, G, packed_neg_inf<T>(), w);
     for (int64_t row = s.row, k = 0; row < rows; row += stride, ++k) {
+      const bool more = row + stride < rows;
+      if (more) stage_row<T, V, IT>(x + (row + stride) * K, s, G, stage);
       float m, sum, mine[2];
-      packed_stats<T, V, IT>(cur, s, G, smem, m, sum);
+      packed_stats<T, V, IT>(w, s, G, smem, m, sum);
       chunk_pair(m, sum, mine);
       if (k == 0) cluster_wait();
       cluster_publish(mine, slots[k & 1]);
-      const bool more = row + stride < rows;
-      if (more) load_packed<T, V, IT>(x + (row + stride) * K, s, G, packed_neg_inf<T>(), next);
       cluster_wait();
       combine_pairs(slots[k & 1], m, sum);
-      packed_outputs<T, V, IT, MODE>(cur, m, sum);
-      store_packed<T, V, IT>(y + row * K, s, G, cur);
+      packed_outputs<T, V, IT, MODE>(w, m, sum);
+      store_packed<T, V, IT>(y + row * K, s, G, w);
       if (more) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) cur[i] = next[i];
+        opforge::cuda::cp_async_wait<0>();
+        unstage_packed<T, V, IT>(stage, s, G, packed_neg_inf<T>(), w);
       }
     }
   } else {
-    A cur[IT][V], next[IT][V];
-    load_row<T, V, IT>(x + s.row * K, s, G, s.len, neg_inf<A>(), cur);
+    A vals[IT][V];
+    load_row<T, V, IT>(x + s.row * K, s, G, s.len, neg_inf<A>(), vals);
     for (int64_t row = s.row, k = 0; row < rows; row += stride, ++k) {
+      const bool more = row + stride < rows;
+      if (more) stage_row<T, V, IT>(x + (row + stride) * K, s, G, stage);
       A m, sum, mine[2];
-      forward_stats<T, V, IT, MODE>(cur, s, G, smem, m, sum);
+      forward_stats<T, V, IT, MODE>(vals, s, G, smem, m, sum);
       chunk_pair(m, sum, mine);
       if (k == 0) cluster_wait();
       cluster_publish(mine, slots[k & 1]);
-      const bool more = row + stride < rows;
-      if (more) load_row<T, V, IT>(x + (row + stride) * K, s, G, s.len, neg_inf<A>(), next);
       cluster_wait();
       A gm, gs;
       combine_pairs(slots[k & 1], gm, gs);
-      rescale_chunk<T, V, IT, MODE>(cur, m, gm);
-      normalize<T, V, IT, MODE>(cur, gm, gs);
-      store_row<T, V, IT>(y + row * K, s, G, cur);
+      rescale_chunk<T, V, IT, MODE>(vals, m, gm);
+      normalize<T, V, IT, MODE>(vals, gm, gs);
+      store_row<T, V, IT>(y + row * K, s, G, vals);
       if (more) {
-#pragma unroll
-        for (int it = 0; it < IT; ++it)
-#pragma unroll
-          for (int v = 0; v < V; ++v) cur[it][v] = next[it][v];
+        opforge::cuda::cp_async_wait<0>();
+        unstage_values<T, V, IT>(stage, s, G, neg_inf<A>(), vals);
       }
     }
   }
@@ -1261,12 +1308,13 @@ int cluster_attributes(cudaLaunchAttribute (&at)[2], int c) {
 // GPU runs at once; 0 where it runs none: clusters need sm_90 code (they are
 // compiled out below that) and a GPU that can place them. Asked once per
 // kernel, cluster size, block size and device.
+// smem: dynamic shared memory per block (the kernel is allowed as much).
 template <typename Kernel>
-int active_clusters(Kernel kernel, int c, int block) {
+int active_clusters(Kernel kernel, int c, int block, size_t smem = 0) {
   static std::mutex mu;
-  static std::map<std::tuple<const void*, int, int, int>, int> known;
+  static std::map<std::tuple<const void*, int, int, int, size_t>, int> known;
   const int dev = c10::cuda::current_device();
-  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, dev);
+  const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), c, block, dev, smem);
   std::lock_guard<std::mutex> lock(mu);
   auto hit = known.find(key);
   if (hit != known.end()) return hit->second;
@@ -1275,9 +1323,23 @@ int active_clusters(Kernel kernel, int c, int block) {
   int n = 0;
   if (attr.ptxVersion >= 90) {
     if (c > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    if (smem > 0) {
+      // Past 48 KB a kernel must opt in (raised, never lowered: another block
+      // size may have asked for more); the carveout gives shared memory the
+      // most of each SM's L1, which these kernels read each row through once.
+      const int want = std::max(static_cast<int>(smem), attr.maxDynamicSharedSizeBytes);
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, want) != cudaSuccess ||
+          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
+        (void)cudaGetLastError();
+        known.emplace(key, 0);
+        return 0;
+      }
+    }
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(c, 1, 1);
     cfg.blockDim = dim3(block, 1, 1);
+    cfg.dynamicSmemBytes = smem;
     cudaLaunchAttribute at[2];
     cfg.attrs = at;
     cfg.numAttrs = cluster_attributes(at, c);
@@ -1293,12 +1355,14 @@ bool cluster_launchable(Kernel kernel, int c, int block) {
   return active_clusters(kernel, c, block) > 0;
 }
 
-// Launches `kernel` on `grid` in clusters of grid.x blocks.
+// Launches `kernel` on `grid` in clusters of grid.x blocks, with `smem`
+// bytes of dynamic shared memory per block.
 template <typename Kernel, typename... Args>
-void launch_clusters(Kernel kernel, dim3 grid, int block, Args... args) {
+void launch_clusters(Kernel kernel, dim3 grid, int block, size_t smem, Args... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(block, 1, 1);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = at::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute at[2];
   cfg.attrs = at;
@@ -1329,7 +1393,7 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   if (p.kind == Kind::Cluster) {
     for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
       const int64_t n = std::min<int64_t>(rows - r0, 65535);
-      launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), p.block,
+      launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), p.block, 0,
                            args, p.G, 3, r0, r0 + n, p.chunk, static_cast<A*>(nullptr), p.nchunks);
     }
     return;
@@ -1353,12 +1417,15 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
 // Launches the resident-cluster forward (Kind::Stream): as many clusters as
 // the GPU runs at once, at most one per row. False, launching nothing,
 // where the GPU runs none.
+// stage_bytes: the shared-memory stage per thread.
 template <typename Kernel>
-bool run_stream(const Plan& p, Kernel kernel, const sm::FwdArgs& args, int64_t rows) {
-  const int n = active_clusters(kernel, p.nchunks, p.block);
+bool run_stream(const Plan& p, Kernel kernel, const sm::FwdArgs& args, int64_t rows, size_t stage_bytes) {
+  const size_t smem = stage_bytes * p.block;
+  const int n = active_clusters(kernel, p.nchunks, p.block, smem);
   if (n <= 0) return false;
   const auto clusters = static_cast<unsigned>(std::min<int64_t>(rows, n));
-  launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), clusters, 1), p.block, args, p.G, rows, p.chunk);
+  launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), clusters, 1), p.block, smem, args, p.G, rows,
+                  p.chunk);
   return true;
 }
 
@@ -1401,9 +1468,8 @@ struct Budget {
   static constexpr int itlight() { return iters_within(V * words_per_elem<T>(ARRAYS), 32); }
 };
 
-// Checks a requested plan (the `_plan` ops) against what the kernels allow
-// (stream_it: the most vectors per thread of resident clusters).
-void check_request(const PlanRequest& r, int itmax, int stream_it) {
+// Checks a requested plan (the `_plan` ops) against what the kernels allow.
+void check_request(const PlanRequest& r, int itmax) {
   auto pow2 = [](int64_t v) { return v > 0 && (v & (v - 1)) == 0; };
   TORCH_CHECK_VALUE(pow2(r.threads_per_row) && r.threads_per_row <= kMaxGroup,
                     "opforge softmax plan: threads_per_row must be a power of two in [1, 512], got ",
@@ -1415,20 +1481,16 @@ void check_request(const PlanRequest& r, int itmax, int stream_it) {
   TORCH_CHECK_VALUE(pow2(r.it) && r.it <= itmax, "opforge softmax plan: vectors_per_thread must be a power of two <= ",
                     opforge::num(itmax), " for this dtype and alignment, got ", opforge::num(r.it));
   TORCH_CHECK_VALUE(!r.stream || r.cluster, "opforge softmax plan: persistent clusters need cluster=True");
-  TORCH_CHECK_VALUE(!r.stream || r.it <= stream_it, "opforge softmax plan: vectors_per_thread must be <= ",
-                    opforge::num(stream_it), " for persistent clusters of this dtype and alignment, got ",
-                    opforge::num(r.it));
 }
 
 // The plan for rows of K elements in vectors of V: the requested one
 // (checked against the kernels' register budget B) or the default.
 // arrays: register arrays per element (1 forward, 2 backward).
-// stream_it: the most vectors per thread of resident clusters (0: none).
 template <typename B, int V>
-Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays, int stream_it = 0) {
+Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays) {
   constexpr int ITMAX = B::template itmax<V>();
   if (req != nullptr) {
-    check_request(*req, ITMAX, stream_it);
+    check_request(*req, ITMAX);
     return plan_from(*req, K, V);
   }
   return plan_from(default_request(K, V, B::template itplan<V>(), B::template itlight<V>(), clusters_available(), arrays,
@@ -1455,12 +1517,12 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 1, MODE>;
     constexpr int ITMAX = B::template itmax<V>();
-    Plan p = resolve_plan<B, V>(req, a.K, 1, stream_itmax<T, V, MODE>());
+    Plan p = resolve_plan<B, V>(req, a.K, 1);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       if (p.kind == Kind::Stream) {
-        if constexpr (MODE != sm::Mode::ScaledMasked && IT <= stream_itmax<T, V, MODE>()) {
-          if (run_stream(p, fwd_stream_kernel<T, V, IT, MODE>, a, a.outer)) return;
+        if constexpr (kStreams<T, V, IT, MODE>) {
+          if (run_stream(p, fwd_stream_kernel<T, V, IT, MODE>, a, a.outer, size_t{16} * IT)) return;
         }
         p.kind = p.nchunks > 1 ? Kind::Cluster : Kind::Rows;  // run_plan falls back to the split if need be
       }
