@@ -273,6 +273,7 @@ def test_softmax_plan_candidates():
     assert (256, 1, 16, True, False) in fwd  # a cluster of two
     assert (512, 1, 16, True, True) in fwd and (256, 1, 8, True, True) in fwd  # resident: a block, clusters of 4
     assert all(len(p) == 5 for p in fwd)
+    assert not any(p[4] for p in softmax_plans.candidates(262144, torch.bfloat16, 1))  # built for 4-byte types
     bwd = softmax_plans.candidates(40000, torch.bfloat16, 2)
     assert (512, 1, 8, True, False) in bwd and (512, 1, 4, False, False) in bwd  # a cluster of 2, a split of 3
     assert all(p[2] <= 8 and not p[4] for p in bwd)

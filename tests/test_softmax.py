@@ -648,8 +648,10 @@ def test_cuda_explicit_plans(dtype, K, plan):
 
 # Resident clusters (persistent forward plans): each cluster walks several
 # rows (more rows than clusters fit on the GPU, not a multiple of them), so
-# both slot sets and the hand-over of the next row's loads are exercised,
-# on rows with special values in some chunks only.
+# both slot sets and the hand-over of the next row's staged loads are
+# exercised, on rows with special values in some chunks only. Built for
+# float32 in 16-byte vectors; other dtypes and odd rows run the same plan
+# as a cluster per row.
 RESIDENT_PLANS = [
     (40000, (512, 1, 4)),  # clusters of several blocks
     (40000, (256, 1, 8)),  # clusters of 256-thread blocks, last chunk partly filled
@@ -677,6 +679,11 @@ def test_cuda_resident_cluster_plans(dtype, K, plan):
     assert_close(y.cpu(), ref("softmax", x, -1), equal_nan=True, rtol_scale=max(1.0, K / 100000))
     assert y[2].isnan().all() and y[4].isnan().all() and y[M - 1].isnan().all() and not y[3].isnan().any()
     assert (y[3, : K // 2] == 0).all()
+    y = torch.softmax(rand((M, K), dtype, "cuda", scale=3.0), -1)
+    g = rand((M, K), dtype, "cuda")
+    with poisoned("cuda"):
+        gx = torch.ops.opforge._softmax_backward_plan(g, y, tpr, rpb, min(vectors, max_vectors(dtype, K, 2)), True, True)
+    assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
 
 
 @pytest.mark.cuda
@@ -686,7 +693,10 @@ def test_cuda_long_rows_default_plan(name, dtype):
     """Rows longer than one block (the default's resident clusters) over more rows than clusters."""
     x = rand((203, 40000), dtype, "cuda", scale=3.0)
     x[5, :20000] = float("-inf")
-    check(name, x, -1)
+    y = check(name, x, -1)
+    g = rand((203, 40000), dtype, "cuda")
+    backward = torch.ops.opforge._softmax_backward if name == "softmax" else torch.ops.opforge._log_softmax_backward
+    assert_close(backward(g, y, -1).cpu(), ref_bwd(name, g, y, -1), scale=4.0)
 
 
 @pytest.mark.cuda

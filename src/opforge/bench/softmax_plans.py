@@ -8,7 +8,7 @@ past the L2 cache (``timing.time_cuda``): every plan the kernels accept for
 that row length (``torch.ops.opforge._softmax_plan`` /
 ``_softmax_backward_plan``: threads per row, rows per block, 16-byte vectors
 per thread, cluster or two-pass split for rows longer than a block, and
-forward clusters that stay resident and walk the rows), the
+float32 clusters that stay resident and walk the rows), the
 default plan (``opforge.softmax``), eager torch and a device copy of the same
 bytes. Each plan's result is checked against eager before it is timed.
 Prints the fastest plans per case; ``--json`` keeps every measurement.
@@ -52,10 +52,11 @@ def max_vectors(dtype: torch.dtype, arrays: int) -> int:
 def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
     """(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent) plans worth timing
     for rows of k."""
-    v = 16 // torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    v = 16 // size
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
-        stream = arrays == 1  # resident clusters: forward only
+        stream = size == 4  # resident clusters: 4-byte types
         for tpr in _pow2(1, 512):
             cap = tpr * v * it
             if cap >= k:
@@ -136,8 +137,7 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
         record(name, fn)
     for plan in candidates(k, dtype, arrays):
         kind = "resident" if plan[4] else "cluster" if plan[3] else "-"
-        args = plan if plan[4] else plan[:4]  # the backward op has no persistent clusters
-        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, args=args: plan_op(*a, *args))
+        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, plan=plan: plan_op(*a, *plan))
     return rows
 
 

@@ -297,16 +297,23 @@ __device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
   combine_pairs(slots, gm, gs);
 }
 
+// The sum of the values of every block of the cluster in this block's
+// `slots` (each warp sums them itself).
+template <typename A>
+__device__ __forceinline__ A sum_slots(const A (&slots)[kMaxCluster][1]) {
+  const unsigned lane = threadIdx.x & 31u;
+  A t = lane < cluster_blocks() ? slots[lane][0] : A(0);
+  for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+  return t;
+}
+
 // The sum of one value per block of the cluster (see cluster_max_sum).
 template <typename A>
 __device__ __forceinline__ A cluster_sum(A v) {
   __shared__ A slots[kMaxCluster][1];
   const A mine[1] = {v};
   cluster_exchange(mine, slots);
-  const unsigned lane = threadIdx.x & 31u;
-  A t = lane < cluster_blocks() ? slots[lane][0] : A(0);
-  for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-  return t;
+  return sum_slots(slots);
 }
 
 // Where a group of threads works: row `row` (valid or not), its `len`
@@ -838,12 +845,15 @@ __device__ __forceinline__ void unstage_values(const uint4* stage, const Segment
   }
 }
 
-// Whether fwd_stream_kernel takes a plan: 16-byte vectors (what it stages),
-// softmax and log_softmax (the masked forward keeps a cluster per row), and
-// for float64 at most 32 registers of values (64 spill: ptxas -v).
-template <typename T, int V, int IT, sm::Mode MODE>
-constexpr bool kStreams = MODE != sm::Mode::ScaledMasked && V * sizeof(T) == 16 &&
-                          (sizeof(T) < 8 || value_words<T, V, IT, 1, MODE>() <= 32);
+// Whether fwd_stream_kernel is built for these rows: 4-byte types in
+// 16-byte vectors (what it stages), softmax and log_softmax (the masked
+// forward keeps a cluster per row). Resident clusters of 2-byte types
+// measured 69% of the floor on 512 x 262144 against 67% for a cluster per
+// row (widened to float, 64%), and needed more registers than the 64 that
+// keep four 256-thread blocks per SM (ptxas -v: spills); they run a cluster
+// per row, as 8-byte types (not measured) do.
+template <typename T, int V, sm::Mode MODE>
+constexpr bool kStreams = MODE != sm::Mode::ScaledMasked && sizeof(T) == 4 && V * sizeof(T) == 16;
 
 // Rows longer than a block on clusters that stay resident (Kind::Stream,
 // softmax and log_softmax, 16-byte vectors): the grid holds as many
@@ -869,15 +879,18 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
   cluster_arrive_relaxed();  // see cluster_exchange: waited on before the first publish
   const int64_t K = a.K;
   const Segment s = make_segment(G, 3, 0, rows, K, chunk);  // valid: gridDim.y <= rows
-  const T* x = static_cast<const T*>(a.in);
-  T* y = static_cast<T*>(a.out);
-  const int64_t stride = gridDim.y;
+  // The cluster's rows: n of them, `step` elements apart (pointers advance
+  // rather than being recomputed from 64-bit row numbers: fewer registers).
+  const int n = static_cast<int>((rows - 1 - s.row) / gridDim.y) + 1;
+  const int64_t step = static_cast<int64_t>(gridDim.y) * K;
+  const T* x = static_cast<const T*>(a.in) + s.row * K;
+  T* y = static_cast<T*>(a.out) + s.row * K;
   if constexpr (kPacked<T, V, 1, MODE>) {
     uint32_t w[IT * V / 2];
-    load_packed<T, V, IT>(x + s.row * K, s, G, packed_neg_inf<T>(), w);
-    for (int64_t row = s.row, k = 0; row < rows; row += stride, ++k) {
-      const bool more = row + stride < rows;
-      if (more) stage_row<T, V, IT>(x + (row + stride) * K, s, G, stage);
+    load_packed<T, V, IT>(x, s, G, packed_neg_inf<T>(), w);
+    for (int k = 0; k < n; ++k, x += step, y += step) {
+      const bool more = k + 1 < n;
+      if (more) stage_row<T, V, IT>(x + step, s, G, stage);
       float m, sum, mine[2];
       packed_stats<T, V, IT>(w, s, G, smem, m, sum);
       chunk_pair(m, sum, mine);
@@ -886,7 +899,7 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
       cluster_wait();
       combine_pairs(slots[k & 1], m, sum);
       packed_outputs<T, V, IT, MODE>(w, m, sum);
-      store_packed<T, V, IT>(y + row * K, s, G, w);
+      store_packed<T, V, IT>(y, s, G, w);
       if (more) {
         opforge::cuda::cp_async_wait<0>();
         unstage_packed<T, V, IT>(stage, s, G, packed_neg_inf<T>(), w);
@@ -894,10 +907,10 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
     }
   } else {
     A vals[IT][V];
-    load_row<T, V, IT>(x + s.row * K, s, G, s.len, neg_inf<A>(), vals);
-    for (int64_t row = s.row, k = 0; row < rows; row += stride, ++k) {
-      const bool more = row + stride < rows;
-      if (more) stage_row<T, V, IT>(x + (row + stride) * K, s, G, stage);
+    load_row<T, V, IT>(x, s, G, s.len, neg_inf<A>(), vals);
+    for (int k = 0; k < n; ++k, x += step, y += step) {
+      const bool more = k + 1 < n;
+      if (more) stage_row<T, V, IT>(x + step, s, G, stage);
       A m, sum, mine[2];
       forward_stats<T, V, IT, MODE>(vals, s, G, smem, m, sum);
       chunk_pair(m, sum, mine);
@@ -908,7 +921,7 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
       combine_pairs(slots[k & 1], gm, gs);
       rescale_chunk<T, V, IT, MODE>(vals, m, gm);
       normalize<T, V, IT, MODE>(vals, gm, gs);
-      store_row<T, V, IT>(y + row * K, s, G, vals);
+      store_row<T, V, IT>(y, s, G, vals);
       if (more) {
         opforge::cuda::cp_async_wait<0>();
         unstage_values<T, V, IT>(stage, s, G, neg_inf<A>(), vals);
@@ -1067,6 +1080,48 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>
   }
 }
 
+// The backward on resident clusters (see fwd_stream_kernel): each block
+// stages its chunk of the next row's dy and y while it finishes this row.
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>()))
+    bwd_stream_kernel(sm::BwdArgs a, int G, int64_t rows, int64_t chunk) {
+  static_assert(kStreams<T, V, MODE>, "built for 4-byte rows in 16-byte vectors");
+  using A = Acc<T>;
+  extern __shared__ uint4 stage[];  // 2 x IT x blockDim.x vectors: dy, then y
+  __shared__ A smem[32];
+  __shared__ A slots[2][kMaxCluster][1];
+  cluster_arrive_relaxed();  // see cluster_exchange: waited on before the first publish
+  const int64_t K = a.K;
+  const Segment s = make_segment(G, 3, 0, rows, K, chunk);  // valid: gridDim.y <= rows
+  const int n = static_cast<int>((rows - 1 - s.row) / gridDim.y) + 1;
+  const int64_t step = static_cast<int64_t>(gridDim.y) * K;
+  const int64_t off = s.row * K;
+  const T* gp = static_cast<const T*>(a.grad) + off;
+  const T* op = static_cast<const T*>(a.out) + off;
+  T* xp = static_cast<T*>(a.grad_in) + off;
+  uint4* ostage = stage + IT * blockDim.x;
+  A g[IT][V], o[IT][V];
+  load_grad_out<T, V, IT>(gp, op, s, G, g, o);
+  for (int k = 0; k < n; ++k, gp += step, op += step, xp += step) {
+    const bool more = k + 1 < n;
+    if (more) {
+      stage_row<T, V, IT>(gp + step, s, G, stage);
+      stage_row<T, V, IT>(op + step, s, G, ostage);
+    }
+    const A mine[1] = {group_reduce(backward_dot<T, V, IT, MODE>(g, o), G, SumOp{}, smem)};
+    if (k == 0) cluster_wait();
+    cluster_publish(mine, slots[k & 1]);
+    cluster_wait();
+    backward_grad<T, V, IT, MODE>(g, o, sum_slots(slots[k & 1]), a.scale);
+    store_row<T, V, IT>(xp, s, G, g);
+    if (more) {
+      opforge::cuda::cp_async_wait<0>();
+      unstage_values<T, V, IT>(stage, s, G, A(0), g);
+      unstage_values<T, V, IT>(ostage, s, G, A(0), o);
+    }
+  }
+}
+
 // ------------------------------------------------------------------ outer dims (inner > 1)
 
 template <typename T, sm::Mode MODE>
@@ -1213,14 +1268,15 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //    still one block per row;
 //  * longer rows on GPUs with clusters: a cluster of up to 16 blocks, of 256
 //    or 512 threads with E or 2E values each (forward; 4- and 8-byte types
-//    first try 512 threads x 2E), or of 512 threads with 64 registers of
-//    values (backward);
+//    first try 256 threads x 2E), or of 512 threads with 64 registers of
+//    values (backward); where `resident` (fwd_stream_kernel is built for
+//    the rows) the forward's clusters stay resident and walk the rows;
 //  * otherwise one block of up to itmax vectors per thread, else the
 //    two-pass split.
 // Rows of the half types held packed (kPacked) past the short rows have
 // their own rule: see default_request.
 // itmax / itlight: vectors per thread in 64 / 32 registers of values.
-PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays) {
+PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool resident) {
   const int e_short = 16, e_long = 32;
   const int it_short = std::max(1, std::min(itlight, e_short / V));
   const int it_long = std::max(1, std::min(itlight, e_long / V));
@@ -1245,18 +1301,21 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
   if (clusters) {
     // (threads, vectors per thread) in order of preference; the first whose
     // cluster has at most 16 blocks wins. The forward's measured best
-    // (float32 512 x 262144: 256 threads x 64 values and 512 x 32, two
-    // blocks per SM, 77% of the floor; 512 x 64, one block per SM, 73%):
+    // (float32 512 x 262144, a cluster per row: 256 threads x 64 values and
+    // 512 x 32, two blocks per SM, 77% of the floor; 512 x 64, one block per
+    // SM, 73%; resident clusters: 256 x 64 86%, 512 x 64 85%, 512 x 32 79%):
     // 4-byte types favour more values per thread, 2-byte types more threads.
     const int fwd_narrow[4][2] = {{256, it_long}, {kMaxGroup, it_long}, {256, 2 * it_long}, {kMaxGroup, 2 * it_long}};
     const int fwd_wide[4][2] = {{256, 2 * it_long}, {kMaxGroup, it_long}, {kMaxGroup, 2 * it_long}, {256, it_long}};
     const int (&fwd)[4][2] = narrow ? fwd_narrow : fwd_wide;
-    const int bwd[1][2] = {{kMaxGroup, itmax}};
+    const int bwd[1][2] = {{kMaxGroup, itmax}};  // resident backward: to be measured
     const int n = arrays == 1 ? 4 : 1;
     for (int i = 0; i < n; ++i) {
       const int G = arrays == 1 ? fwd[i][0] : bwd[i][0];
       const int it = arrays == 1 ? fwd[i][1] : bwd[i][1];
-      if (it <= itmax && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true};
+      if (it <= itmax && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) {
+        return {G, 1, it, true, resident && arrays == 1};
+      }
     }
   }
   if (K <= int64_t{kMaxGroup} * V * itmax) return one_block();
@@ -1264,7 +1323,9 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
 }
 
 // packed: the row is held as loaded (kPacked: the half types).
-PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool packed) {
+// resident: fwd_stream_kernel is built for these rows (kStreams).
+PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool packed,
+                            bool resident) {
   // Rows of the half types held packed, past the short rows (512
   // elements): threads of E = 32 values (of each array) up to 2048
   // elements, E = 64 beyond; one block per row while 512 threads hold it,
@@ -1287,7 +1348,7 @@ PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clust
     }
     return {kMaxGroup, 1, it, false};
   }
-  return default_shape(K, V, itmax, itlight, clusters, arrays);
+  return default_shape(K, V, itmax, itlight, clusters, arrays, resident);
 }
 
 // The launch attributes of a cluster launch: c blocks per cluster, and the
@@ -1418,8 +1479,8 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
 // the GPU runs at once, at most one per row. False, launching nothing,
 // where the GPU runs none.
 // stage_bytes: the shared-memory stage per thread.
-template <typename Kernel>
-bool run_stream(const Plan& p, Kernel kernel, const sm::FwdArgs& args, int64_t rows, size_t stage_bytes) {
+template <typename Kernel, typename Args>
+bool run_stream(const Plan& p, Kernel kernel, const Args& args, int64_t rows, size_t stage_bytes) {
   const size_t smem = stage_bytes * p.block;
   const int n = active_clusters(kernel, p.nchunks, p.block, smem);
   if (n <= 0) return false;
@@ -1485,16 +1546,17 @@ void check_request(const PlanRequest& r, int itmax) {
 
 // The plan for rows of K elements in vectors of V: the requested one
 // (checked against the kernels' register budget B) or the default.
-// arrays: register arrays per element (1 forward, 2 backward).
+// arrays: register arrays per element (1 forward, 2 backward); resident:
+// fwd_stream_kernel is built for these rows.
 template <typename B, int V>
-Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays) {
+Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays, bool resident = false) {
   constexpr int ITMAX = B::template itmax<V>();
   if (req != nullptr) {
     check_request(*req, ITMAX);
     return plan_from(*req, K, V);
   }
   return plan_from(default_request(K, V, B::template itplan<V>(), B::template itlight<V>(), clusters_available(), arrays,
-                                   B::template packed<V>()),
+                                   B::template packed<V>(), resident),
                    K, V);
 }
 
@@ -1517,11 +1579,11 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 1, MODE>;
     constexpr int ITMAX = B::template itmax<V>();
-    Plan p = resolve_plan<B, V>(req, a.K, 1);
+    Plan p = resolve_plan<B, V>(req, a.K, 1, kStreams<T, V, MODE>);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       if (p.kind == Kind::Stream) {
-        if constexpr (kStreams<T, V, IT, MODE>) {
+        if constexpr (kStreams<T, V, MODE>) {
           if (run_stream(p, fwd_stream_kernel<T, V, IT, MODE>, a, a.outer, size_t{16} * IT)) return;
         }
         p.kind = p.nchunks > 1 ? Kind::Cluster : Kind::Rows;  // run_plan falls back to the split if need be
@@ -1556,9 +1618,15 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t, const PlanReq
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 2, sm::Mode::Softmax>;
     constexpr int ITMAX = B::template itmax<V>();
-    const Plan p = resolve_plan<B, V>(req, a.K, 2);
+    Plan p = resolve_plan<B, V>(req, a.K, 2, kStreams<T, V, MODE>);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
+      if (p.kind == Kind::Stream) {
+        if constexpr (kStreams<T, V, MODE>) {
+          if (run_stream(p, bwd_stream_kernel<T, V, IT, MODE>, a, a.outer, size_t{32} * IT)) return;
+        }
+        p.kind = p.nchunks > 1 ? Kind::Cluster : Kind::Rows;  // run_plan falls back to the split if need be
+      }
       run_plan<A>(p, bwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, 2 * sizeof(T), 1, t.options());
     });
   };
@@ -1608,8 +1676,9 @@ at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64
 }
 
 at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
-                                      int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
+                                      int64_t rows_per_block, int64_t vectors_per_thread, bool cluster,
+                                      bool persistent) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent);
   return run_backward<sm::Mode::Softmax>(
       sm::prepare_backward("opforge._softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
 }
