@@ -8,7 +8,7 @@ past the L2 cache (``timing.time_cuda``): every plan the kernels accept for
 that row length (``torch.ops.opforge._softmax_plan`` /
 ``_softmax_backward_plan``: threads per row, rows per block, 16-byte vectors
 per thread, cluster or two-pass split for rows longer than a block, and
-float32 clusters that stay resident and walk the rows), the
+float32 forward clusters that stay resident and walk the rows), the
 default plan (``opforge.softmax``), eager torch and a device copy of the same
 bytes. Each plan's result is checked against eager before it is timed.
 Prints the fastest plans per case; ``--json`` keeps every measurement.
@@ -56,7 +56,7 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
     v = 16 // size
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
-        stream = size == 4  # resident clusters: 4-byte types
+        stream = arrays == 1 and size == 4  # resident clusters: the 4-byte forward
         for tpr in _pow2(1, 512):
             cap = tpr * v * it
             if cap >= k:
@@ -137,7 +137,8 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
         record(name, fn)
     for plan in candidates(k, dtype, arrays):
         kind = "resident" if plan[4] else "cluster" if plan[3] else "-"
-        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, plan=plan: plan_op(*a, *plan))
+        args = plan if plan[4] else plan[:4]  # the backward op has no resident clusters
+        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, args=args: plan_op(*a, *args))
     return rows
 
 

@@ -55,11 +55,11 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // softmax and its backward over the last dim with a given plan: threads
   // per row (or per chunk of a longer row), rows per block, 16-byte vectors
   // per thread, whether a row longer than one block may use a cluster, and
-  // whether clusters stay resident and walk the rows.
+  // (forward) whether clusters stay resident and walk the rows.
   m.def("_softmax_plan(Tensor x, int threads_per_row, int rows_per_block, int vectors_per_thread, bool cluster, "
         "bool persistent=False) -> Tensor");
   m.def("_softmax_backward_plan(Tensor grad, Tensor output, int threads_per_row, int rows_per_block, "
-        "int vectors_per_thread, bool cluster, bool persistent=False) -> Tensor");
+        "int vectors_per_thread, bool cluster) -> Tensor");
 }
 
 // ---- conv family (ops/conv.py) ----------------------------------------------

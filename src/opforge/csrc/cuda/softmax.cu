@@ -16,7 +16,10 @@
 //  * rows longer than a block, on Hopper and later: the row is split over a
 //    cluster of up to 16 blocks, each holding its chunk in registers; the
 //    blocks exchange their chunk's (max, sum of exp) through distributed
-//    shared memory, so the input is still read once, in one launch;
+//    shared memory, so the input is still read once, in one launch; for
+//    the float32 forward the clusters stay resident and walk the rows, each
+//    block staging its chunk of the next row in shared memory while it
+//    finishes the current one (fwd_stream_kernel);
 //  * longer rows still, or GPUs without clusters, with no cap: each row is
 //    split into chunks of a block's capacity; pass 1 writes each chunk's
 //    (max, sum of exp) to a small workspace, pass 2 combines a row's
@@ -297,23 +300,16 @@ __device__ __forceinline__ void cluster_max_sum(A m, A s, A& gm, A& gs) {
   combine_pairs(slots, gm, gs);
 }
 
-// The sum of the values of every block of the cluster in this block's
-// `slots` (each warp sums them itself).
-template <typename A>
-__device__ __forceinline__ A sum_slots(const A (&slots)[kMaxCluster][1]) {
-  const unsigned lane = threadIdx.x & 31u;
-  A t = lane < cluster_blocks() ? slots[lane][0] : A(0);
-  for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-  return t;
-}
-
 // The sum of one value per block of the cluster (see cluster_max_sum).
 template <typename A>
 __device__ __forceinline__ A cluster_sum(A v) {
   __shared__ A slots[kMaxCluster][1];
   const A mine[1] = {v};
   cluster_exchange(mine, slots);
-  return sum_slots(slots);
+  const unsigned lane = threadIdx.x & 31u;
+  A t = lane < cluster_blocks() ? slots[lane][0] : A(0);
+  for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
+  return t;
 }
 
 // Where a group of threads works: row `row` (valid or not), its `len`
@@ -1080,48 +1076,6 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>
   }
 }
 
-// The backward on resident clusters (see fwd_stream_kernel): each block
-// stages its chunk of the next row's dy and y while it finishes this row.
-template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>()))
-    bwd_stream_kernel(sm::BwdArgs a, int G, int64_t rows, int64_t chunk) {
-  static_assert(kStreams<T, V, MODE>, "built for 4-byte rows in 16-byte vectors");
-  using A = Acc<T>;
-  extern __shared__ uint4 stage[];  // 2 x IT x blockDim.x vectors: dy, then y
-  __shared__ A smem[32];
-  __shared__ A slots[2][kMaxCluster][1];
-  cluster_arrive_relaxed();  // see cluster_exchange: waited on before the first publish
-  const int64_t K = a.K;
-  const Segment s = make_segment(G, 3, 0, rows, K, chunk);  // valid: gridDim.y <= rows
-  const int n = static_cast<int>((rows - 1 - s.row) / gridDim.y) + 1;
-  const int64_t step = static_cast<int64_t>(gridDim.y) * K;
-  const int64_t off = s.row * K;
-  const T* gp = static_cast<const T*>(a.grad) + off;
-  const T* op = static_cast<const T*>(a.out) + off;
-  T* xp = static_cast<T*>(a.grad_in) + off;
-  uint4* ostage = stage + IT * blockDim.x;
-  A g[IT][V], o[IT][V];
-  load_grad_out<T, V, IT>(gp, op, s, G, g, o);
-  for (int k = 0; k < n; ++k, gp += step, op += step, xp += step) {
-    const bool more = k + 1 < n;
-    if (more) {
-      stage_row<T, V, IT>(gp + step, s, G, stage);
-      stage_row<T, V, IT>(op + step, s, G, ostage);
-    }
-    const A mine[1] = {group_reduce(backward_dot<T, V, IT, MODE>(g, o), G, SumOp{}, smem)};
-    if (k == 0) cluster_wait();
-    cluster_publish(mine, slots[k & 1]);
-    cluster_wait();
-    backward_grad<T, V, IT, MODE>(g, o, sum_slots(slots[k & 1]), a.scale);
-    store_row<T, V, IT>(xp, s, G, g);
-    if (more) {
-      opforge::cuda::cp_async_wait<0>();
-      unstage_values<T, V, IT>(stage, s, G, A(0), g);
-      unstage_values<T, V, IT>(ostage, s, G, A(0), o);
-    }
-  }
-}
-
 // ------------------------------------------------------------------ outer dims (inner > 1)
 
 template <typename T, sm::Mode MODE>
@@ -1303,19 +1257,22 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
     // cluster has at most 16 blocks wins. The forward's measured best
     // (float32 512 x 262144, a cluster per row: 256 threads x 64 values and
     // 512 x 32, two blocks per SM, 77% of the floor; 512 x 64, one block per
-    // SM, 73%; resident clusters: 256 x 64 86%, 512 x 64 85%, 512 x 32 79%):
-    // 4-byte types favour more values per thread, 2-byte types more threads.
+    // SM, 73%; resident clusters in two runs: 512 x 64 85% and 84%, 256 x 64
+    // 86% and 82%, 512 x 32 79-80%): 4-byte types favour more values per
+    // thread, 2-byte types more threads. Only the forward has resident
+    // clusters (backward as a cluster per row, 78%; one with dy and y
+    // staged measured 73%).
     const int fwd_narrow[4][2] = {{256, it_long}, {kMaxGroup, it_long}, {256, 2 * it_long}, {kMaxGroup, 2 * it_long}};
     const int fwd_wide[4][2] = {{256, 2 * it_long}, {kMaxGroup, it_long}, {kMaxGroup, 2 * it_long}, {256, it_long}};
-    const int (&fwd)[4][2] = narrow ? fwd_narrow : fwd_wide;
-    const int bwd[1][2] = {{kMaxGroup, itmax}};  // resident backward: to be measured
+    const int fwd_resident[4][2] = {
+        {kMaxGroup, 2 * it_long}, {256, 2 * it_long}, {kMaxGroup, it_long}, {256, it_long}};
+    const int (&fwd)[4][2] = resident ? fwd_resident : narrow ? fwd_narrow : fwd_wide;
+    const int bwd[1][2] = {{kMaxGroup, itmax}};
     const int n = arrays == 1 ? 4 : 1;
     for (int i = 0; i < n; ++i) {
       const int G = arrays == 1 ? fwd[i][0] : bwd[i][0];
       const int it = arrays == 1 ? fwd[i][1] : bwd[i][1];
-      if (it <= itmax && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) {
-        return {G, 1, it, true, resident && arrays == 1};
-      }
+      if (it <= itmax && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true, resident};
     }
   }
   if (K <= int64_t{kMaxGroup} * V * itmax) return one_block();
@@ -1618,15 +1575,9 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t, const PlanReq
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 2, sm::Mode::Softmax>;
     constexpr int ITMAX = B::template itmax<V>();
-    Plan p = resolve_plan<B, V>(req, a.K, 2, kStreams<T, V, MODE>);
+    const Plan p = resolve_plan<B, V>(req, a.K, 2);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
-      if (p.kind == Kind::Stream) {
-        if constexpr (kStreams<T, V, MODE>) {
-          if (run_stream(p, bwd_stream_kernel<T, V, IT, MODE>, a, a.outer, size_t{32} * IT)) return;
-        }
-        p.kind = p.nchunks > 1 ? Kind::Cluster : Kind::Rows;  // run_plan falls back to the split if need be
-      }
       run_plan<A>(p, bwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, 2 * sizeof(T), 1, t.options());
     });
   };
@@ -1676,9 +1627,8 @@ at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64
 }
 
 at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
-                                      int64_t rows_per_block, int64_t vectors_per_thread, bool cluster,
-                                      bool persistent) {
-  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent);
+                                      int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
+  const PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
   return run_backward<sm::Mode::Softmax>(
       sm::prepare_backward("opforge._softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
 }
