@@ -695,7 +695,12 @@ def test_cuda_long_rows_default_plan(name, dtype):
     y = check(name, x, -1)
     g = rand((203, 40000), dtype, "cuda")
     backward = torch.ops.opforge._softmax_backward if name == "softmax" else torch.ops.opforge._log_softmax_backward
-    assert_close(backward(g, y, -1).cpu(), ref_bwd(name, g, y, -1), scale=4.0)
+    scale = 4.0
+    if name == "log_softmax":
+        # dx = dy - exp(y) * sum(dy) cancels terms of up to |exp(y) * sum(dy)| (about 190 here), whose
+        # rounding sets the error: torch's own float32 kernel is off by 1.7e-4 on such rows.
+        scale *= max(1.0, (y.double().exp() * g.double().sum(-1, keepdim=True)).abs().max().item())
+    assert_close(backward(g, y, -1).cpu(), ref_bwd(name, g, y, -1), scale=scale)
 
 
 @pytest.mark.cuda
