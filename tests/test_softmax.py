@@ -554,21 +554,26 @@ def test_nn_modules(device):
 @pytest.mark.cuda
 def test_cuda_graph_capture_and_replay():
     x = rand((64, 4096), device="cuda")
+    long = rand((300, 40000), device="cuda")  # float32 rows longer than a block: resident clusters
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(s):  # warm-up before capture, as torch asks
         opforge.softmax(x)
         opforge.scaled_masked_softmax(x, causal=True)
+        opforge.softmax(long)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = opforge.softmax(x)
         out2 = opforge.scaled_masked_softmax(x, None, 0.5, True)
+        out3 = opforge.softmax(long)
     x.copy_(rand((64, 4096), device="cuda"))
+    long.copy_(rand((300, 40000), device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, torch.softmax(x, -1))
     torch.testing.assert_close(out2, ref_smsm(x, None, 0.5, True).cuda())
+    torch.testing.assert_close(out3, torch.softmax(long, -1))
 
 
 @pytest.mark.cuda
