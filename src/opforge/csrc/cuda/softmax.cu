@@ -19,7 +19,7 @@
 //    shared memory, so the input is still read once, in one launch; for
 //    the float32 forward the clusters stay resident and walk the rows, each
 //    block staging its chunk of the next row in shared memory while it
-//    finishes the current one (fwd_stream_kernel);
+//    finishes the current one (fwd_resident_kernel);
 //  * longer rows still, or GPUs without clusters, with no cap: each row is
 //    split into chunks of a block's capacity; pass 1 writes each chunk's
 //    (max, sum of exp) to a small workspace, pass 2 combines a row's
@@ -244,7 +244,7 @@ __device__ __forceinline__ void cluster_exchange(const A (&mine)[N], A (&slots)[
 }
 
 // The exchange of cluster_exchange split around other work (the resident
-// clusters of fwd_stream_kernel): cluster_publish writes the block's N
+// clusters of fwd_resident_kernel): cluster_publish writes the block's N
 // values into slot [rank] of every block's `slots` and arrives on the
 // cluster barrier (releasing the writes); cluster_wait, later, completes
 // that phase, after which this block's slots hold every block's values.
@@ -841,7 +841,7 @@ __device__ __forceinline__ void unstage_values(const uint4* stage, const Segment
   }
 }
 
-// Whether fwd_stream_kernel is built for these rows: 4-byte types in
+// Whether fwd_resident_kernel is built for these rows: 4-byte types in
 // 16-byte vectors (what it stages), softmax and log_softmax (the masked
 // forward keeps a cluster per row). Resident clusters of 2-byte types
 // measured 69% of the floor on 512 x 262144 against 67% for a cluster per
@@ -849,9 +849,9 @@ __device__ __forceinline__ void unstage_values(const uint4* stage, const Segment
 // keep four 256-thread blocks per SM (ptxas -v: spills); they run a cluster
 // per row, as 8-byte types (not measured) do.
 template <typename T, int V, sm::Mode MODE>
-constexpr bool kStreams = MODE != sm::Mode::ScaledMasked && sizeof(T) == 4 && V * sizeof(T) == 16;
+constexpr bool kResident = MODE != sm::Mode::ScaledMasked && sizeof(T) == 4 && V * sizeof(T) == 16;
 
-// Rows longer than a block on clusters that stay resident (Kind::Stream,
+// Rows longer than a block on clusters that stay resident (Kind::Resident,
 // softmax and log_softmax, 16-byte vectors): the grid holds as many
 // clusters as the GPU runs at once (gridDim.y of them, a block per chunk of
 // the row), and each walks the rows blockIdx.y, blockIdx.y + gridDim.y, ...
@@ -866,7 +866,7 @@ constexpr bool kStreams = MODE != sm::Mode::ScaledMasked && sizeof(T) == 4 && V 
 // (it cannot pass the next barrier before the other has read its slots).
 template <typename T, int V, int IT, sm::Mode MODE>
 __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>()))
-    fwd_stream_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk) {
+    fwd_resident_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk) {
   static_assert(MODE != sm::Mode::ScaledMasked, "the masked forward keeps a cluster per row");
   using A = Acc<T>;
   extern __shared__ uint4 stage[];  // IT x blockDim.x vectors
@@ -1170,19 +1170,19 @@ void with_iters(int it, F&& f) {
   }
 }
 
-enum class Kind { Rows, Cluster, Stream, Split };
+enum class Kind { Rows, Cluster, Resident, Split };
 
 // The knobs of a launch: threads per row (or per chunk of a row), rows per
 // block, vectors per thread, whether a row longer than one block may be
 // split over a cluster, and whether those clusters stay resident and walk
-// the rows (fwd_stream_kernel; also for rows one block holds: a cluster of
+// the rows (fwd_resident_kernel; also for rows one block holds: a cluster of
 // one).
 struct PlanRequest {
   int threads_per_row;
   int rows_per_block;
   int it;
   bool cluster;
-  bool stream = false;
+  bool resident = false;
 };
 
 struct Plan {
@@ -1200,14 +1200,14 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   p.G = r.threads_per_row;
   p.block = r.threads_per_row * r.rows_per_block;
   const int64_t capacity = int64_t{p.G} * V * p.it;
-  if (K <= capacity && !r.stream) return p;
+  if (K <= capacity && !r.resident) return p;
   TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a plan that splits rows or keeps clusters "
                                            "resident needs one row per block");
   p.chunk = capacity;
   const int64_t n = ceil_div(K, capacity);  // grid.x: up to 2^31 - 1 chunks, no practical cap
   TORCH_CHECK(n < (int64_t{1} << 31), "opforge softmax: rows of ", opforge::num(K), " elements are too long");
   p.nchunks = static_cast<int>(n);
-  p.kind = r.cluster && n <= kMaxCluster ? (r.stream ? Kind::Stream : Kind::Cluster) : Kind::Split;
+  p.kind = r.cluster && n <= kMaxCluster ? (r.resident ? Kind::Resident : Kind::Cluster) : Kind::Split;
   return p;
 }
 
@@ -1223,7 +1223,7 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //  * longer rows on GPUs with clusters: a cluster of up to 16 blocks, of 256
 //    or 512 threads with E or 2E values each (forward; 4- and 8-byte types
 //    first try 256 threads x 2E), or of 512 threads with 64 registers of
-//    values (backward); where `resident` (fwd_stream_kernel is built for
+//    values (backward); where `resident` (fwd_resident_kernel is built for
 //    the rows) the forward's clusters stay resident and walk the rows;
 //  * otherwise one block of up to itmax vectors per thread, else the
 //    two-pass split.
@@ -1280,7 +1280,7 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
 }
 
 // packed: the row is held as loaded (kPacked: the half types).
-// resident: fwd_stream_kernel is built for these rows (kStreams).
+// resident: fwd_resident_kernel is built for these rows (kResident).
 PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool packed,
                             bool resident) {
   // Rows of the half types held packed, past the short rows (512
@@ -1432,12 +1432,12 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   }
 }
 
-// Launches the resident-cluster forward (Kind::Stream): as many clusters as
+// Launches the resident-cluster forward (Kind::Resident): as many clusters as
 // the GPU runs at once, at most one per row. False, launching nothing,
 // where the GPU runs none.
 // stage_bytes: the shared-memory stage per thread.
 template <typename Kernel, typename Args>
-bool run_stream(const Plan& p, Kernel kernel, const Args& args, int64_t rows, size_t stage_bytes) {
+bool run_resident(const Plan& p, Kernel kernel, const Args& args, int64_t rows, size_t stage_bytes) {
   const size_t smem = stage_bytes * p.block;
   const int n = active_clusters(kernel, p.nchunks, p.block, smem);
   if (n <= 0) return false;
@@ -1498,13 +1498,13 @@ void check_request(const PlanRequest& r, int itmax) {
                     opforge::num(r.rows_per_block));
   TORCH_CHECK_VALUE(pow2(r.it) && r.it <= itmax, "opforge softmax plan: vectors_per_thread must be a power of two <= ",
                     opforge::num(itmax), " for this dtype and alignment, got ", opforge::num(r.it));
-  TORCH_CHECK_VALUE(!r.stream || r.cluster, "opforge softmax plan: persistent clusters need cluster=True");
+  TORCH_CHECK_VALUE(!r.resident || r.cluster, "opforge softmax plan: persistent clusters need cluster=True");
 }
 
 // The plan for rows of K elements in vectors of V: the requested one
 // (checked against the kernels' register budget B) or the default.
 // arrays: register arrays per element (1 forward, 2 backward); resident:
-// fwd_stream_kernel is built for these rows.
+// fwd_resident_kernel is built for these rows.
 template <typename B, int V>
 Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays, bool resident = false) {
   constexpr int ITMAX = B::template itmax<V>();
@@ -1536,12 +1536,12 @@ void forward_cuda_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 1, MODE>;
     constexpr int ITMAX = B::template itmax<V>();
-    Plan p = resolve_plan<B, V>(req, a.K, 1, kStreams<T, V, MODE>);
+    Plan p = resolve_plan<B, V>(req, a.K, 1, kResident<T, V, MODE>);
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
-      if (p.kind == Kind::Stream) {
-        if constexpr (kStreams<T, V, MODE>) {
-          if (run_stream(p, fwd_stream_kernel<T, V, IT, MODE>, a, a.outer, size_t{16} * IT)) return;
+      if (p.kind == Kind::Resident) {
+        if constexpr (kResident<T, V, MODE>) {
+          if (run_resident(p, fwd_resident_kernel<T, V, IT, MODE>, a, a.outer, size_t{16} * IT)) return;
         }
         p.kind = p.nchunks > 1 ? Kind::Cluster : Kind::Rows;  // run_plan falls back to the split if need be
       }
