@@ -809,23 +809,7 @@ __device__ __forceinline__ void stage_row(const T* __restrict__ p, const Segment
 }
 
 // The thread's staged vectors (stage_row) once its copies have landed, as
-// the row kernels hold them: packed words, `fill` past the row.
-template <typename T, int V, int IT>
-__device__ __forceinline__ void unstage_packed(const uint4* stage, const Segment& s, int G, uint32_t fill,
-                                               uint32_t (&w)[IT * V / 2]) {
-  static_assert(V * sizeof(T) == 16, "16-byte vectors");
-#pragma unroll
-  for (int it = 0; it < IT; ++it) {
-    const uint4 v = stage[it * blockDim.x + threadIdx.x];
-    const bool in = s.offset(it, G, V) < s.len;
-    w[it * 4 + 0] = in ? v.x : fill;
-    w[it * 4 + 1] = in ? v.y : fill;
-    w[it * 4 + 2] = in ? v.z : fill;
-    w[it * 4 + 3] = in ? v.w : fill;
-  }
-}
-
-// The same as opmath values (4- and 8-byte types).
+// opmath values, `fill` past the row.
 template <typename T, int V, int IT>
 __device__ __forceinline__ void unstage_values(const uint4* stage, const Segment& s, int G, Acc<T> fill,
                                                Acc<T> (&vals)[IT][V]) {
@@ -867,7 +851,7 @@ constexpr bool kResident = MODE != sm::Mode::ScaledMasked && sizeof(T) == 4 && V
 template <typename T, int V, int IT, sm::Mode MODE>
 __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>()))
     fwd_resident_kernel(sm::FwdArgs a, int G, int64_t rows, int64_t chunk) {
-  static_assert(MODE != sm::Mode::ScaledMasked, "the masked forward keeps a cluster per row");
+  static_assert(kResident<T, V, MODE>, "built for 4-byte rows in 16-byte vectors (see kResident)");
   using A = Acc<T>;
   extern __shared__ uint4 stage[];  // IT x blockDim.x vectors
   __shared__ A smem[32];
@@ -881,47 +865,25 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
   const int64_t step = static_cast<int64_t>(gridDim.y) * K;
   const T* x = static_cast<const T*>(a.in) + s.row * K;
   T* y = static_cast<T*>(a.out) + s.row * K;
-  if constexpr (kPacked<T, V, 1, MODE>) {
-    uint32_t w[IT * V / 2];
-    load_packed<T, V, IT>(x, s, G, packed_neg_inf<T>(), w);
-    for (int k = 0; k < n; ++k, x += step, y += step) {
-      const bool more = k + 1 < n;
-      if (more) stage_row<T, V, IT>(x + step, s, G, stage);
-      float m, sum, mine[2];
-      packed_stats<T, V, IT>(w, s, G, smem, m, sum);
-      chunk_pair(m, sum, mine);
-      if (k == 0) cluster_wait();
-      cluster_publish(mine, slots[k & 1]);
-      cluster_wait();
-      combine_pairs(slots[k & 1], m, sum);
-      packed_outputs<T, V, IT, MODE>(w, m, sum);
-      store_packed<T, V, IT>(y, s, G, w);
-      if (more) {
-        opforge::cuda::cp_async_wait<0>();
-        unstage_packed<T, V, IT>(stage, s, G, packed_neg_inf<T>(), w);
-      }
-    }
-  } else {
-    A vals[IT][V];
-    load_row<T, V, IT>(x, s, G, s.len, neg_inf<A>(), vals);
-    for (int k = 0; k < n; ++k, x += step, y += step) {
-      const bool more = k + 1 < n;
-      if (more) stage_row<T, V, IT>(x + step, s, G, stage);
-      A m, sum, mine[2];
-      forward_stats<T, V, IT, MODE>(vals, s, G, smem, m, sum);
-      chunk_pair(m, sum, mine);
-      if (k == 0) cluster_wait();
-      cluster_publish(mine, slots[k & 1]);
-      cluster_wait();
-      A gm, gs;
-      combine_pairs(slots[k & 1], gm, gs);
-      rescale_chunk<T, V, IT, MODE>(vals, m, gm);
-      normalize<T, V, IT, MODE>(vals, gm, gs);
-      store_row<T, V, IT>(y, s, G, vals);
-      if (more) {
-        opforge::cuda::cp_async_wait<0>();
-        unstage_values<T, V, IT>(stage, s, G, neg_inf<A>(), vals);
-      }
+  A vals[IT][V];
+  load_row<T, V, IT>(x, s, G, s.len, neg_inf<A>(), vals);
+  for (int k = 0; k < n; ++k, x += step, y += step) {
+    const bool more = k + 1 < n;
+    if (more) stage_row<T, V, IT>(x + step, s, G, stage);
+    A m, sum, mine[2];
+    forward_stats<T, V, IT, MODE>(vals, s, G, smem, m, sum);
+    chunk_pair(m, sum, mine);
+    if (k == 0) cluster_wait();
+    cluster_publish(mine, slots[k & 1]);
+    cluster_wait();
+    A gm, gs;
+    combine_pairs(slots[k & 1], gm, gs);
+    rescale_chunk<T, V, IT, MODE>(vals, m, gm);
+    normalize<T, V, IT, MODE>(vals, gm, gs);
+    store_row<T, V, IT>(y, s, G, vals);
+    if (more) {
+      opforge::cuda::cp_async_wait<0>();
+      unstage_values<T, V, IT>(stage, s, G, neg_inf<A>(), vals);
     }
   }
 }
