@@ -32,6 +32,20 @@
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace conv_detail {
 
+// The grad_out indices o (in [0, limit)) feeding padded index q through tap
+// k, q = 2 o + k: k = 0 and 2 for an even q, k = 1 for an odd one. Returns
+// how many (0 to 2); used for rows and, in NHWC, columns.
+inline int stride2_sources(int64_t q, int64_t limit, int64_t (&o)[2], int (&k)[2]) {
+  int m = 0;
+  for (int kk = static_cast<int>(q & 1); kk < 3; kk += 2) {
+    if (q >= kk && (q - kk) / 2 < limit) {
+      o[m] = (q - kk) / 2;
+      k[m++] = kk;
+    }
+  }
+  return m;
+}
+
 template <typename scalar_t>
 void dw_dgrad_nchw_s2(const conv::DwBackwardParams& p) {
   using IO = VecIo<scalar_t>;
@@ -67,19 +81,12 @@ void dw_dgrad_nchw_s2(const conv::DwBackwardParams& p) {
       for (int t = 0; t < 9; ++t) wv[t] = V(static_cast<opmath_t>(w[c * 9 + t]));
       scalar_t* out = gx + nc * H * W;
       for (int64_t ih = 0; ih < H; ++ih) {
-        // The grad_out rows this input row takes (padded row r = 2 oh + kh:
-        // kh = 0 and 2 for an even r, kh = 1 for an odd one) and their taps.
-        const int64_t r = ih + pad;
-        const opmath_t* z[2];
+        // The grad_out rows this input row takes and their taps.
+        int64_t oh[2];
         int kh_of[2];
-        int rows = 0;
-        for (int kh = static_cast<int>(r & 1); kh < 3; kh += 2) {
-          const int64_t oh = (r - kh) / 2;
-          if (r >= kh && oh < Ho) {
-            z[rows] = gplane.data() + oh * zlen;
-            kh_of[rows++] = kh;
-          }
-        }
+        const int rows = stride2_sources(ih + pad, Ho, oh, kh_of);
+        const opmath_t* z[2];
+        for (int i = 0; i < rows; ++i) z[i] = gplane.data() + oh[i] * zlen;
         // Even columns 2 j: z[1 + j] w0 + z[j] w2; odd columns 2 j + 1:
         // z[1 + j] w1; interleaved into padded[2 j], padded[2 j + 1].
         for (int64_t j = 0; j < ev; j += L) {
@@ -118,18 +125,6 @@ void dw_dgrad_nhwc_s2(const conv::DwBackwardParams& p) {
   std::vector<opmath_t> wt(9 * Cp, opmath_t(0));  // wt[t * Cp + c] = w[c, t]
   for (int64_t c = 0; c < C; ++c)
     for (int t = 0; t < 9; ++t) wt[t * Cp + c] = static_cast<opmath_t>(w[c * 9 + t]);
-  // The grad_out pixel feeding padded index q through tap k (q = 2 o + k):
-  // k = 0 and 2 for an even q, 1 for an odd one, o in [0, limit).
-  auto taps = [](int64_t q, int64_t limit, int64_t (&o)[2], int (&k)[2]) {
-    int m = 0;
-    for (int kk = static_cast<int>(q & 1); kk < 3; kk += 2) {
-      if (q >= kk && (q - kk) / 2 < limit) {
-        o[m] = (q - kk) / 2;
-        k[m++] = kk;
-      }
-    }
-    return m;
-  };
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, W * C));
   at::parallel_for(0, p.N * H, grain, [&](int64_t begin, int64_t end) {
     // An input row's one or two grad_out rows, passed and in opmath, each
@@ -139,7 +134,7 @@ void dw_dgrad_nhwc_s2(const conv::DwBackwardParams& p) {
       const int64_t n = row / H, ih = row % H;
       int64_t oh[2], ow[2];
       int kh[2], kw[2];
-      const int nr = taps(ih + pad, Ho, oh, kh);
+      const int nr = stride2_sources(ih + pad, Ho, oh, kh);
       for (int i = 0; i < nr; ++i) {
         const int64_t off = (n * Ho + oh[i]) * Wo * C;
         for (int64_t o = 0; o < Wo; ++o) {
@@ -157,7 +152,7 @@ void dw_dgrad_nhwc_s2(const conv::DwBackwardParams& p) {
         V wk[9];
         for (int t = 0; t < 9; ++t) wk[t] = V::loadu(wt.data() + t * Cp + c0);
         for (int64_t iw = 0; iw < W; ++iw) {
-          const int nc = taps(iw + pad, Wo, ow, kw);
+          const int nc = stride2_sources(iw + pad, Wo, ow, kw);
           V acc(opmath_t(0));
           for (int i = 0; i < nr; ++i) {
             const opmath_t* b = buf.data() + i * Wo * Cp + c0;
