@@ -56,7 +56,7 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
     v = 16 // size
     out = []
     for it in _pow2(1, max_vectors(dtype, arrays)):
-        stream = arrays == 1 and size == 4  # resident clusters: the 4-byte forward
+        resident = arrays == 1 and size == 4  # resident clusters: the 4-byte forward
         for tpr in _pow2(1, 512):
             cap = tpr * v * it
             if cap >= k:
@@ -65,13 +65,13 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
                 for rpb in _pow2(1, 512 // tpr):
                     if tpr * rpb in (128, 256, 512) or (rpb == 1 and tpr * rpb > 512 // 2):
                         out.append((tpr, rpb, it, False, False))
-                if stream and tpr >= 128:
+                if resident and tpr >= 128:
                     out.append((tpr, 1, it, True, True))  # a resident block per row
             elif tpr >= 128:
                 if math.ceil(k / cap) <= 16:
                     if tpr >= 256:
                         out.append((tpr, 1, it, True, False))
-                    if stream:
+                    if resident:
                         out.append((tpr, 1, it, True, True))
                 if tpr >= 256 and math.ceil(k / cap) <= 64:
                     out.append((tpr, 1, it, False, False))

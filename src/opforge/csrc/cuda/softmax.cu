@@ -192,8 +192,9 @@ __device__ __forceinline__ A group_reduce(A v, int G, Op op, A* smem) {
 // arrives (relaxed: it publishes nothing) as it starts and completes that
 // phase only when it first writes another block's shared memory: by then
 // every block of the cluster has started, which distributed shared memory
-// needs, and the wait is long over. cluster_sync is a whole barrier: writes
-// before it are seen by every block of the cluster after it.
+// needs, and the wait is long over. The plain arrive releases the thread's
+// writes (distributed shared memory included) to every thread that waits on
+// that phase.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #if OPFORGE_SOFTMAX_CLUSTERS
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -206,12 +207,6 @@ __device__ __forceinline__ void cluster_wait() {
 #endif
 }
 
-__device__ __forceinline__ void cluster_sync() {
-#if OPFORGE_SOFTMAX_CLUSTERS
-  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-#endif
-}
-
 // Blocks in this block's cluster (1 without clusters).
 __device__ __forceinline__ unsigned cluster_blocks() {
   unsigned n = 1;
@@ -221,33 +216,11 @@ __device__ __forceinline__ unsigned cluster_blocks() {
   return n;
 }
 
-// Sends the block's N values (known to every thread) into slot
-// [rank][0..N) of every block of the cluster, then waits until every block's
-// values have landed in this block's slots. One barrier on the path: each
-// block reads only its own shared memory afterwards, so none has to stay
-// alive for another's reads (pulling the values instead costs a remote read
-// and a second barrier). Follows the cluster_arrive_relaxed at kernel start.
-template <typename A, int N>
-__device__ __forceinline__ void cluster_exchange(const A (&mine)[N], A (&slots)[kMaxCluster][N]) {
-#if OPFORGE_SOFTMAX_CLUSTERS
-  cooperative_groups::cluster_group cl = cooperative_groups::this_cluster();
-  cluster_wait();
-  if (threadIdx.x < cl.num_blocks()) {
-    A* dst = cl.map_shared_rank(&slots[0][0], static_cast<int>(threadIdx.x)) + cl.block_rank() * N;
-#pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = mine[i];
-  }
-  cluster_sync();
-#else
-  __trap();
-#endif
-}
-
-// The exchange of cluster_exchange split around other work (the resident
-// clusters of fwd_resident_kernel): cluster_publish writes the block's N
-// values into slot [rank] of every block's `slots` and arrives on the
-// cluster barrier (releasing the writes); cluster_wait, later, completes
-// that phase, after which this block's slots hold every block's values.
+// Writes the block's N values (known to every thread) into slot [rank] of
+// `slots` in every block of the cluster and arrives on the cluster barrier,
+// releasing the writes; after the matching cluster_wait this block's slots
+// hold every block's values. The resident clusters of fwd_resident_kernel
+// do other work between the two; cluster_exchange does none.
 template <typename A, int N>
 __device__ __forceinline__ void cluster_publish(const A (&mine)[N], A (&slots)[kMaxCluster][N]) {
 #if OPFORGE_SOFTMAX_CLUSTERS
@@ -261,6 +234,20 @@ __device__ __forceinline__ void cluster_publish(const A (&mine)[N], A (&slots)[k
 #else
   __trap();
 #endif
+}
+
+// Sends the block's N values (known to every thread) into slot
+// [rank][0..N) of every block of the cluster, then waits until every block's
+// values have landed in this block's slots. One barrier on the path: each
+// block reads only its own shared memory afterwards, so none has to stay
+// alive for another's reads (pulling the values instead costs a remote read
+// and a second barrier). Follows the cluster_arrive_relaxed at kernel start,
+// whose phase the first wait completes.
+template <typename A, int N>
+__device__ __forceinline__ void cluster_exchange(const A (&mine)[N], A (&slots)[kMaxCluster][N]) {
+  cluster_wait();
+  cluster_publish(mine, slots);
+  cluster_wait();
 }
 
 // The pair a chunk contributes to its row: its max and sum of exp (an all
