@@ -164,6 +164,18 @@ def test_float32_exp_range(name, K, device):
     check(name, x.to(device), -1)
 
 
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [7, 1000, 40000, 300000])
+@pytest.mark.parametrize("offset", [1000.0, -20000.0])
+def test_offset_rows(name, dtype, K, offset, device):
+    # Logits far from 0: the results are those of the unshifted rows, so
+    # nothing may round at the max's magnitude (log_softmax's x - m - log sum
+    # as (x - m) - log sum; the exps' scaled max in base 2).
+    x = (rand((3, K), torch.float32, device, scale=3.0) + offset).to(dtype)
+    check(name, x, -1)
+
+
 # --------------------------------------------------------------------------- scaled_masked_softmax
 
 

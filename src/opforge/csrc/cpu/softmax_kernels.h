@@ -121,21 +121,6 @@ inline float to_acc_max(const T* src, float* dst, int64_t n) {
   return m;
 }
 
-// Half types: dst = T(src * mul + add), rounded once, in one pass.
-template <typename T>
-inline void affine_from_acc(const float* src, T* dst, int64_t n, float mul, float add) {
-  using V = Vectorized<float>;
-  constexpr int64_t W = Vectorized<T>::size();
-  const V vm(mul), va(add);
-  int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    at::vec::convert_from_float<T>(at::vec::fmadd(V::loadu(src + i), vm, va),
-                                   at::vec::fmadd(V::loadu(src + i + V::size()), vm, va))
-        .store(dst + i);
-  }
-  for (; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul + add);
-}
-
 // exp(v) for v in [-inf, 0], never NaN: exp(x - max) over a row whose max
 // is finite. AVX-512 float: 2^k p(r) with k = round(v log2 e), r = v - k ln2
 // (ln2 in two parts, so r is exact), p the degree-5 polynomial exp_u20 uses,
@@ -552,14 +537,17 @@ void fwd_rows_log(const sm::FwdArgs& a) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = in + r * K;
       T* y = out + r * K;
+      // (x - m) - log(sum), not x - (m + log(sum)): m + log(sum) would
+      // round at m's magnitude (logits offset by thousands).
       if constexpr (kNeedsConvert<T>) {
         const A m = to_acc_max(x, buf, K);
-        const A c = m + std::log(sum_exp(buf, K, m));
-        affine_from_acc(buf, y, K, 1.f, -c);
+        const V vm(m), vl(std::log(sum_exp(buf, K, m)));
+        at::vec::map([vm, vl](V v) { return (v - vm) - vl; }, buf, buf, K);
+        from_acc(buf, y, K);
       } else {
         const A m = row_max(x, K);
-        const V vc(m + std::log(sum_exp(x, K, m)));
-        at::vec::map([vc](V v) { return v - vc; }, y, x, K);
+        const V vm(m), vl(std::log(sum_exp(x, K, m)));
+        at::vec::map([vm, vl](V v) { return (v - vm) - vl; }, y, x, K);
       }
     }
   });
@@ -657,10 +645,10 @@ void fwd_cols(const sm::FwdArgs& a) {
         at::vec::map3([](V u, V w, V s) { return s + vexp(u - w); }, sum, tmp, mx, sum, n);
       }
       if (log_mode) {
-        for (int64_t j = 0; j < n; ++j) sum[j] = mx[j] + std::log(sum[j]);  // the log-sum-exp
+        for (int64_t j = 0; j < n; ++j) sum[j] = std::log(sum[j]);  // (x - m) - log(sum), as the rows
         for (int64_t k = 0; k < K; ++k) {
           to_acc(in + base + k * inner, tmp, n);
-          at::vec::map2([](V u, V c) { return u - c; }, tmp, tmp, sum, n);
+          at::vec::map3([](V u, V w, V l) { return (u - w) - l; }, tmp, tmp, mx, sum, n);
           from_acc(tmp, out + base + k * inner, n);
         }
       } else {
