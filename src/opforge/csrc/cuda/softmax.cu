@@ -681,43 +681,23 @@ __device__ __forceinline__ void packed_stats(const uint32_t (&w)[IT * V / 2], co
 // as normalize), so chunks need no rescaling.
 template <typename T, int V, int IT, sm::Mode MODE>
 __device__ __forceinline__ void packed_outputs(uint32_t (&w)[IT * V / 2], float m, float sum) {
-  if constexpr (MODE == sm::Mode::LogSoftmax) {
-    const float l = dev_log(sum) - scaled_max_log_error(m);
+  const float l = MODE == sm::Mode::LogSoftmax ? dev_log(sum) - scaled_max_log_error(m) : 0.0f;
+  const float mk = scaled_max(m);
+  const float inv = 1.0f / sum;
 #pragma unroll
-    for (int k = 0; k < IT * V / 2; ++k) {
-      float lo, hi;
-      widen2<T>(w[k], lo, hi);
+  for (int k = 0; k < IT * V / 2; ++k) {
+    float lo, hi;
+    widen2<T>(w[k], lo, hi);
+    if constexpr (MODE == sm::Mode::LogSoftmax) {
       w[k] = narrow2<T>((lo - m) - l, (hi - m) - l);
-    }
-  } else {
-    const float mk = scaled_max(m);
-    // 2^(x log2(e) - mk) / sum = 2^(x log2(e) - (mk + log2(sum))): the
-    // division folds into the exponent, saving a multiply per value. The
-    // folded shift rounds at its own magnitude; below 128 that is within
-    // 2^-18 (and __log2f within 2^-22), a relative error of 3e-6 in the
-    // output (a 2-byte type's half ulp is 2e-3 or 5e-4). Larger shifts
-    // (|max| past about 80), and NaN rows, divide instead.
-    const float shift = mk + __log2f(sum);
-    if (fabsf(shift) < 128.0f) {
-#pragma unroll
-      for (int k = 0; k < IT * V / 2; ++k) {
-        float lo, hi;
-        widen2<T>(w[k], lo, hi);
-        w[k] = narrow2<T>(exp_from(lo, shift), exp_from(hi, shift));
-      }
     } else {
-      const float inv = 1.0f / sum;
-#pragma unroll
-      for (int k = 0; k < IT * V / 2; ++k) {
-        float lo, hi;
-        widen2<T>(w[k], lo, hi);
-        w[k] = narrow2<T>(exp_from(lo, mk) * inv, exp_from(hi, mk) * inv);
-      }
+      w[k] = narrow2<T>(exp_from(lo, mk) * inv, exp_from(hi, mk) * inv);
     }
   }
 }
 
-// finish_forward for values held as loaded (kPacked).
+// finish_forward for values held as loaded (kPacked). For a row held whole
+// (phase 0) the outputs equal finish_forward's bit for bit.
 template <typename T, int V, int IT, sm::Mode MODE>
 __device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2], const Segment& s, int G, int phase,
                                                       int64_t row0, float* partials, int nchunks, float* smem) {
