@@ -121,6 +121,21 @@ inline float to_acc_max(const T* src, float* dst, int64_t n) {
   return m;
 }
 
+// Half types: log_softmax's outputs dst = T((src - m) - l), converted and
+// stored in the same pass.
+template <typename T>
+inline void log_softmax_from_acc(const float* src, T* dst, int64_t n, float m, float l) {
+  using V = Vectorized<float>;
+  constexpr int64_t W = Vectorized<T>::size();
+  const V vm(m), vl(l);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    at::vec::convert_from_float<T>((V::loadu(src + i) - vm) - vl, (V::loadu(src + i + V::size()) - vm) - vl)
+        .store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<T>((src[i] - m) - l);
+}
+
 // exp(v) for v in [-inf, 0], never NaN: exp(x - max) over a row whose max
 // is finite. AVX-512 float: 2^k p(r) with k = round(v log2 e), r = v - k ln2
 // (ln2 in two parts, so r is exact), p the degree-5 polynomial exp_u20 uses,
@@ -541,9 +556,7 @@ void fwd_rows_log(const sm::FwdArgs& a) {
       // round at m's magnitude (logits offset by thousands).
       if constexpr (kNeedsConvert<T>) {
         const A m = to_acc_max(x, buf, K);
-        const V vm(m), vl(std::log(sum_exp(buf, K, m)));
-        at::vec::map([vm, vl](V v) { return (v - vm) - vl; }, buf, buf, K);
-        from_acc(buf, y, K);
+        log_softmax_from_acc(buf, y, K, m, std::log(sum_exp(buf, K, m)));
       } else {
         const A m = row_max(x, K);
         const V vm(m), vl(std::log(sum_exp(x, K, m)));

@@ -113,10 +113,11 @@ __device__ __forceinline__ A neg_inf() {
   return -std::numeric_limits<A>::infinity();
 }
 
-// The exp of every element: in float32 opmath (float32, float16, bfloat16)
-// the hardware's exp2 approximation (__expf: relative error within
-// 2 + 1.2|v| ulp, as torch.compile's generated kernels use), which keeps the
-// half types memory-bound; float64 stays exact.
+// The exp of an element where no row max is at hand (the outer-dim forward,
+// the log_softmax backward's exp(y)): in float32 opmath (float32, float16,
+// bfloat16) the hardware's exp2 approximation (__expf: relative error within
+// 2 + 1.2|v| ulp, as torch.compile's generated kernels use); float64 stays
+// exact. The row forward takes exp_from below.
 __device__ __forceinline__ float elem_exp(float v) { return __expf(v); }
 __device__ __forceinline__ double elem_exp(double v) { return exp(v); }
 
@@ -145,16 +146,16 @@ __device__ __forceinline__ double exp_from(double x, double m) { return exp(x - 
 // exp_from (NaN where both are +inf, as exp(inf - inf)).
 __device__ __forceinline__ float rebase(float m, float gm) { return exp2f(scaled_max(m) - scaled_max(gm)); }
 __device__ __forceinline__ double rebase(double m, double gm) { return exp(m - gm); }
-// log_softmax does not divide by the sum, so the rounding of mk would stay
-// in log(sum): sum = 2^(m log2(e) - mk) * (the sum against m). This is
-// log of that factor (the product's residual, exact by FMA) for log(sum)
-// to subtract.
-__device__ __forceinline__ float scaled_max_log_error(float m) {
-  return fmaf(m, kLog2e, -scaled_max(m)) * 0.6931471805599453f;
-}
-__device__ __forceinline__ double scaled_max_log_error(double) { return 0; }
 __device__ __forceinline__ float dev_log(float v) { return logf(v); }
 __device__ __forceinline__ double dev_log(double v) { return log(v); }
+// log of the sum of e^(x - m) over a row, from the sum exp_from gave:
+// log_softmax does not divide by the sum, so the rounding of mk would stay
+// in it (sum = 2^(m log2(e) - mk) * the sum against m); the product's
+// residual, exact by FMA, takes that factor out.
+__device__ __forceinline__ float log_sum(float m, float sum) {
+  return dev_log(sum) - fmaf(m, kLog2e, -scaled_max(m)) * 0.6931471805599453f;
+}
+__device__ __forceinline__ double log_sum(double, double sum) { return log(sum); }
 
 // max that propagates NaN (as torch's reductions).
 template <typename A>
@@ -547,7 +548,7 @@ __device__ __forceinline__ void normalize(Acc<T> (&vals)[IT][V], Acc<T> m, Acc<T
   if constexpr (MODE == sm::Mode::LogSoftmax) {
     // (x - m) - log(sum): x - m is exact near the max, where m + log(sum)
     // would round at m's magnitude (offset rows, |m| in the thousands).
-    const A l = dev_log(sum) - scaled_max_log_error(m);
+    const A l = log_sum(m, sum);
 #pragma unroll
     for (int it = 0; it < IT; ++it)
 #pragma unroll
@@ -681,7 +682,7 @@ __device__ __forceinline__ void packed_stats(const uint32_t (&w)[IT * V / 2], co
 // as normalize), so chunks need no rescaling.
 template <typename T, int V, int IT, sm::Mode MODE>
 __device__ __forceinline__ void packed_outputs(uint32_t (&w)[IT * V / 2], float m, float sum) {
-  const float l = MODE == sm::Mode::LogSoftmax ? dev_log(sum) - scaled_max_log_error(m) : 0.0f;
+  const float l = MODE == sm::Mode::LogSoftmax ? log_sum(m, sum) : 0.0f;
   const float mk = scaled_max(m);
   const float inv = 1.0f / sum;
 #pragma unroll
