@@ -276,7 +276,12 @@ def test_softmax_plan_candidates():
     assert not any(p[4] for p in softmax_plans.candidates(262144, torch.bfloat16, 1))  # built for 4-byte types
     bwd = softmax_plans.candidates(40000, torch.bfloat16, 2)
     assert (512, 1, 8, True, False) in bwd and (512, 1, 4, False, False) in bwd  # a cluster of 2, a split of 3
-    assert all(p[2] <= 8 and not p[4] for p in bwd)
+    assert not any(p[4] for p in bwd)
+    # both arrays held: up to 8 vectors; clusters hold y only, up to 16
+    assert all(p[2] <= 8 for p in bwd if not p[3]) and all(p[2] <= 16 for p in bwd)
+    long_bwd = softmax_plans.candidates(262144, torch.float32, 2)
+    assert (512, 1, 16, True, False) in long_bwd and (512, 1, 8, True, False) in long_bwd
+    assert (512, 1, 16, False, False) not in long_bwd
 
 
 def test_source_commit_can_be_named(monkeypatch):

@@ -400,7 +400,7 @@ def test_backward_row_lengths(name, dtype, K, device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("K", [7, 2048, 40000])
+@pytest.mark.parametrize("K", [7, 2048, 40000, 300000])
 def test_scaled_masked_backward_op(dtype, K, device):
     y = opforge.scaled_masked_softmax(rand((2, 3, K), dtype, device), causal=True)
     g = rand(y.shape, dtype, device)
@@ -702,15 +702,44 @@ def test_cuda_resident_cluster_plans(dtype, K, plan):
     assert (y[3, : K // 2] == 0).all()
 
 
+# Backward plans split over a cluster of more than 8 blocks, or asking for
+# more vectors per thread than dy and y together fit, hold y only (dy is
+# read again for dx): up to the forward's vectors per thread, 16 in 16-byte
+# vectors. The same request on rows one block holds, or rows longer than a
+# cluster of 16 holds, runs with both arrays held, at their limit.
+BWD_CLUSTER_PLANS = [
+    (200000, (512, 1, 16)),  # clusters of blocks holding 64 registers of y
+    (65536, (256, 1, 4)),  # the fewest vectors the y-only kernel takes: float32 in 16 blocks
+    (131072, (256, 1, 4)),  # likewise the 2-byte types (float64: the split)
+    (3000, (512, 1, 16)),  # one block holds the row: both arrays, 8 vectors
+    (1_200_000, (512, 1, 16)),  # longer than a cluster holds: the split, 8 vectors
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("K,plan", BWD_CLUSTER_PLANS)
+def test_cuda_backward_cluster_plans(dtype, K, plan):
+    M = max(3, 2_000_000 // K)
+    y = opforge.softmax(rand((M, K), dtype, "cuda", scale=3.0))
+    g = rand((M, K), dtype, "cuda")
+    tpr, rpb, vectors = plan
+    with poisoned("cuda"):
+        gx = torch.ops.opforge._softmax_backward_plan(g, y, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), True)
+    assert_close(gx.cpu(), ref_bwd("softmax", g, y, -1), scale=4.0)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_long_rows_default_plan(name, dtype):
-    """Rows longer than one block (the default's resident clusters) over more rows than clusters."""
-    x = rand((203, 40000), dtype, "cuda", scale=3.0)
-    x[5, :20000] = float("-inf")
+@pytest.mark.parametrize("M,K", [(203, 40000), (7, 500000)])
+def test_cuda_long_rows_default_plan(name, dtype, M, K):
+    """Rows longer than one block (the default's resident clusters) over more rows than clusters;
+    rows of 500000, which a cluster holds in the backward only with y alone (float32: 16 x 512 x 64)."""
+    x = rand((M, K), dtype, "cuda", scale=3.0)
+    x[5, : K // 2] = float("-inf")
     y = check(name, x, -1)
-    g = rand((203, 40000), dtype, "cuda")
+    g = rand((M, K), dtype, "cuda")
     backward = torch.ops.opforge._softmax_backward if name == "softmax" else torch.ops.opforge._log_softmax_backward
     scale = 4.0
     if name == "log_softmax":

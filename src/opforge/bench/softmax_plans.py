@@ -8,7 +8,8 @@ past the L2 cache (``timing.time_cuda``): every plan the kernels accept for
 that row length (``torch.ops.opforge._softmax_plan`` /
 ``_softmax_backward_plan``: threads per row, rows per block, 16-byte vectors
 per thread, cluster or two-pass split for rows longer than a block, and
-float32 forward clusters that stay resident and walk the rows), the
+float32 forward clusters that stay resident and walk the rows; backward
+clusters hold y only, so they take up to the forward's vectors per thread), the
 default plan (``opforge.softmax``), eager torch and a device copy of the same
 bytes. Each plan's result is checked against eager before it is timed.
 Prints the fastest plans per case; ``--json`` keeps every measurement.
@@ -55,10 +56,18 @@ def candidates(k: int, dtype: torch.dtype, arrays: int) -> list[tuple]:
     size = torch.empty((), dtype=dtype).element_size()
     v = 16 // size
     out = []
-    for it in _pow2(1, max_vectors(dtype, arrays)):
+    itmax = max_vectors(dtype, arrays)
+    # The backward's clusters hold y only (bwd_cluster_kernel, 4 or more vectors per thread):
+    # the forward's budget.
+    itcluster = max_vectors(dtype, 1)
+    for it in _pow2(1, max(itmax, itcluster)):
         resident = arrays == 1 and size == 4  # resident clusters: the 4-byte forward
         for tpr in _pow2(1, 512):
             cap = tpr * v * it
+            if it > itmax:
+                if tpr >= 256 and cap < k and math.ceil(k / cap) <= 16 and it >= 4:
+                    out.append((tpr, 1, it, True, False))
+                continue
             if cap >= k:
                 if tpr > 1 and cap >= 2 * k:
                     continue  # half the threads would hold the row

@@ -1064,6 +1064,150 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>
   }
 }
 
+// ------------------------------------------------------------------ backward, rows split over a cluster
+
+// Which backward rows run bwd_cluster_kernel when split over a cluster:
+// 16-byte vectors of at least 4 per thread (the kernels built; other plans
+// keep both arrays in bwd_rows_kernel).
+template <typename T, int V, int IT>
+constexpr bool kClusterBackward = V * sizeof(T) == 16 && IT >= 4;
+
+// Clusters of at most this many blocks hold dy and y (bwd_rows_kernel) where
+// the plan allows: with few blocks the wait for the slowest is short, and
+// reading dy twice costs more than the blocks per SM gained (H200, float32
+// 4096 x 32768, clusters of 2: 100% of the floor holding both, 90% holding
+// y; bfloat16 512 x 262144, clusters of 8: 85% against 83%). Larger
+// clusters hold y only (float32 512 x 262144, clusters of 16: 78% -> 85%).
+constexpr int kBothArraysMaxCluster = 8;
+
+// Calls f(it, vector) for each of the segment's vectors `it` of row p that
+// lie in the row, loading P of them at a time: the loads of a portion are in
+// flight together while only P vectors' registers are taken.
+template <typename T, int V, int IT, int P, typename F>
+__device__ __forceinline__ void for_each_vector(const T* __restrict__ p, const Segment& s, int G, F f) {
+  const T* q = p + s.begin;
+#pragma unroll
+  for (int i0 = 0; i0 < IT; i0 += P) {
+    AlignedVec<T, V> raw[P];
+    bool ok[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int off = s.offset(i0 + i, G, V);
+      ok[i] = s.valid && off < s.len;
+      if (ok[i]) raw[i] = opforge::cuda::load_vec<T, V>(q, off / V);
+    }
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      if (ok[i]) f(i0 + i, raw[i]);
+    }
+  }
+}
+
+// The backward of rows split over a cluster (Kind::Cluster, phase 3; the
+// arguments as bwd_rows_kernel's). A block holds only its chunk of y (as
+// loaded for the half types, two per register); dy is read in portions (of
+// P vectors) for the chunk's sum(dy * y), then read again for dx, which L1
+// or L2 serve (this block read the same bytes moments before).
+// Holding one array instead of two lets a cluster hold twice the row, or
+// an SM twice the blocks: float32 512 x 262144 on an H200, 78% -> 85-87% of
+// the 3MKs floor (clusters of 16 blocks of 512 threads x 32 values, two
+// blocks per SM, where holding both arrays left one); 256 x 500000, 43%
+// (the split) -> 72-77% (clusters of 16 x 512 x 64). Used for clusters of
+// more than kBothArraysMaxCluster blocks, and plans that hold more than
+// both arrays would fit.
+template <typename T, int V, int IT, sm::Mode MODE>
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, sm::Mode::Softmax>()))
+    bwd_cluster_kernel(sm::BwdArgs a, int G, int /*phase: 3*/, int64_t row0, int64_t rows, int64_t chunk,
+                       Acc<T>* /*partials*/, int /*nchunks*/) {
+  static_assert(kClusterBackward<T, V, IT>, "built for 16-byte vectors, 4 or more per thread");
+  using A = Acc<T>;
+  constexpr bool kPack = kPacked<T, V, 2, MODE>;
+  // dy vectors per portion: half the thread's for float32 (measured best:
+  // a quarter was 1% slower), a quarter for the other types, where half
+  // spills registers (ptxas -v).
+  constexpr int P = IT / (sizeof(T) == 4 ? 2 : 4);
+  __shared__ A smem[32];
+  cluster_arrive_relaxed();  // see cluster_exchange
+  const Segment s = make_segment(G, 3, row0, rows, a.K, chunk);
+  const int64_t off = s.row * a.K;
+  const T* gp = static_cast<const T*>(a.grad) + off;
+  const T* op = static_cast<const T*>(a.out) + off;
+  T* xp = static_cast<T*>(a.grad_in) + off;
+  constexpr int W = kPack ? IT * V / 2 : 1;  // packed words of y
+  uint32_t w[W];
+  A o[kPack ? 1 : IT][V];
+  if constexpr (kPack) {
+    load_packed<T, V, IT>(op, s, G, 0u, w);
+  } else {
+    load_row<T, V, IT>(op, s, G, s.len, A(0), o);
+  }
+  // y's values of vector it, as opmath, two at a time (k: pairs)
+  auto y_pair = [&](int it, int k, A& y0, A& y1) {
+    if constexpr (kPack) {
+      widen2<T>(w[it * V / 2 + k], y0, y1);
+    } else {
+      y0 = o[it][2 * k];
+      y1 = o[it][2 * k + 1];
+    }
+  };
+  // dy's values k of vector d, likewise (2-byte dy widened pair by pair, as
+  // it is used, not the whole portion at once)
+  auto dy_pair = [](const AlignedVec<T, V>& d, int k, A& d0, A& d1) {
+    if constexpr (sizeof(T) == 2) {
+      uint32_t u;
+      memcpy(&u, &d.val[2 * k], sizeof(u));
+      widen2<T>(u, d0, d1);
+    } else {
+      d0 = d.val[2 * k];
+      d1 = d.val[2 * k + 1];
+    }
+  };
+  A dot = 0;
+  for_each_vector<T, V, IT, P>(gp, s, G, [&](int it, const AlignedVec<T, V>& d) {
+#pragma unroll
+    for (int k = 0; k < V / 2; ++k) {
+      A d0, d1;
+      dy_pair(d, k, d0, d1);
+      if constexpr (MODE == sm::Mode::LogSoftmax) {
+        dot += d0;
+        dot += d1;
+      } else {
+        A y0, y1;
+        y_pair(it, k, y0, y1);
+        dot += d0 * y0;
+        dot += d1 * y1;
+      }
+    }
+  });
+  const A sum = cluster_sum(group_reduce(dot, G, SumOp{}, smem));
+  const A scale = MODE == sm::Mode::ScaledMasked ? static_cast<A>(a.scale) : A(1);
+  T* q = xp + s.begin;
+  for_each_vector<T, V, IT, P>(gp, s, G, [&](int it, const AlignedVec<T, V>& d) {
+    AlignedVec<T, V> r;
+#pragma unroll
+    for (int k = 0; k < V / 2; ++k) {
+      A d0, d1, y0, y1, x0, x1;
+      dy_pair(d, k, d0, d1);
+      y_pair(it, k, y0, y1);
+      if constexpr (MODE == sm::Mode::LogSoftmax) {
+        x0 = d0 - elem_exp(y0) * sum;
+        x1 = d1 - elem_exp(y1) * sum;
+      } else {
+        x0 = y0 * (d0 - sum) * scale;
+        x1 = y1 * (d1 - sum) * scale;
+      }
+      if constexpr (sizeof(T) == 2) {
+        const uint32_t u = narrow2<T>(x0, x1);  // one conversion for both
+        memcpy(&r.val[2 * k], &u, sizeof(u));
+      } else {
+        r.val[2 * k] = static_cast<T>(x0);
+        r.val[2 * k + 1] = static_cast<T>(x1);
+      }
+    }
+    opforge::cuda::store_vec<T, V>(q, s.offset(it, G, V) / V, r);
+  });
+}
+
 // ------------------------------------------------------------------ outer dims (inner > 1)
 
 template <typename T, sm::Mode MODE>
@@ -1218,8 +1362,11 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
 //    two-pass split.
 // Rows of the half types held packed (kPacked) past the short rows have
 // their own rule: see default_request.
-// itmax / itlight: vectors per thread in 64 / 32 registers of values.
-PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool resident) {
+// itmax / itlight: vectors per thread in 64 / 32 registers of values;
+// itcluster: the most the backward takes split over a cluster
+// (bwd_cluster_kernel holds y only).
+PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, int itcluster, bool clusters, int arrays,
+                          bool resident) {
   const int e_short = 16, e_long = 32;
   const int it_short = std::max(1, std::min(itlight, e_short / V));
   const int it_long = std::max(1, std::min(itlight, e_long / V));
@@ -1249,19 +1396,25 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
     // SM, 73%; resident clusters in two runs: 512 x 64 85% and 84%, 256 x 64
     // 86% and 82%, 512 x 32 79-80%): 4-byte types favour more values per
     // thread, 2-byte types more threads. Only the forward has resident
-    // clusters (backward as a cluster per row, 78%; one with dy and y
-    // staged measured 73%).
+    // clusters (a resident backward with dy and y staged measured 73%). The
+    // backward: 512 threads x 32 values of each array first (float32 512 x
+    // 262144: 85-87% with clusters of 16 holding y only, see
+    // kBothArraysMaxCluster; 512 x 64 values of y, 82-88%, and 80% against
+    // 87% on 512 x 200000), then 64 values of y only, for rows up to twice
+    // as long (float32 256 x 500000: 72-77%, where the split made 43%).
     const int fwd_narrow[4][2] = {{256, it_long}, {kMaxGroup, it_long}, {256, 2 * it_long}, {kMaxGroup, 2 * it_long}};
     const int fwd_wide[4][2] = {{256, 2 * it_long}, {kMaxGroup, it_long}, {kMaxGroup, 2 * it_long}, {256, it_long}};
     const int fwd_resident[4][2] = {
         {kMaxGroup, 2 * it_long}, {256, 2 * it_long}, {kMaxGroup, it_long}, {256, it_long}};
     const int (&fwd)[4][2] = resident ? fwd_resident : narrow ? fwd_narrow : fwd_wide;
-    const int bwd[1][2] = {{kMaxGroup, itmax}};
-    const int n = arrays == 1 ? 4 : 1;
+    const int bwd[2][2] = {{kMaxGroup, itmax}, {kMaxGroup, 2 * itmax}};
+    const int n = arrays == 1 ? 4 : 2;
     for (int i = 0; i < n; ++i) {
       const int G = arrays == 1 ? fwd[i][0] : bwd[i][0];
       const int it = arrays == 1 ? fwd[i][1] : bwd[i][1];
-      if (it <= itmax && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true, resident};
+      if (it <= (arrays == 1 ? itmax : itcluster) && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) {
+        return {G, 1, it, true, resident};
+      }
     }
   }
   if (K <= int64_t{kMaxGroup} * V * itmax) return one_block();
@@ -1270,8 +1423,8 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, bool cluster
 
 // packed: the row is held as loaded (kPacked: the half types).
 // resident: fwd_resident_kernel is built for these rows (kResident).
-PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clusters, int arrays, bool packed,
-                            bool resident) {
+PlanRequest default_request(int64_t K, int V, int itmax, int itlight, int itcluster, bool clusters, int arrays,
+                            bool packed, bool resident) {
   // Rows of the half types held packed, past the short rows (512
   // elements): threads of E = 32 values (of each array) up to 2048
   // elements, E = 64 beyond; one block per row while 512 threads hold it,
@@ -1292,9 +1445,14 @@ PlanRequest default_request(int64_t K, int V, int itmax, int itlight, bool clust
     for (const int G : order) {
       if (clusters && ceil_div(K, int64_t{G} * V * it) <= kMaxCluster) return {G, 1, it, true};
     }
+    // The backward's clusters hold y only: twice the values per thread
+    // still fit, for rows up to twice as long.
+    if (arrays == 2 && clusters && 2 * it <= itcluster && ceil_div(K, int64_t{kMaxGroup} * V * 2 * it) <= kMaxCluster) {
+      return {kMaxGroup, 1, 2 * it, true};
+    }
     return {kMaxGroup, 1, it, false};
   }
-  return default_shape(K, V, itmax, itlight, clusters, arrays, resident);
+  return default_shape(K, V, itmax, itlight, itcluster, clusters, arrays, resident);
 }
 
 // The launch attributes of a cluster launch: c blocks per cluster, and the
@@ -1493,17 +1651,29 @@ void check_request(const PlanRequest& r, int itmax) {
 // The plan for rows of K elements in vectors of V: the requested one
 // (checked against the kernels' register budget B) or the default.
 // arrays: register arrays per element (1 forward, 2 backward); resident:
-// fwd_resident_kernel is built for these rows.
+// fwd_resident_kernel is built for these rows; itcluster (backward): the
+// most vectors per thread of a plan that asks for clusters
+// (bwd_cluster_kernel), 0 for B's.
 template <typename B, int V>
-Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays, bool resident = false) {
+Plan resolve_plan(const PlanRequest* req, int64_t K, int arrays, bool resident = false, int itcluster = 0) {
   constexpr int ITMAX = B::template itmax<V>();
+  const int itcl = itcluster > 0 ? itcluster : ITMAX;
   if (req != nullptr) {
-    check_request(*req, ITMAX);
+    check_request(*req, req->cluster ? itcl : ITMAX);
     return plan_from(*req, K, V);
   }
-  return plan_from(default_request(K, V, B::template itplan<V>(), B::template itlight<V>(), clusters_available(), arrays,
-                                   B::template packed<V>(), resident),
+  return plan_from(default_request(K, V, B::template itplan<V>(), B::template itlight<V>(), itcl, clusters_available(),
+                                   arrays, B::template packed<V>(), resident),
                    K, V);
+}
+
+// A backward plan that bwd_rows_kernel, holding dy and y, can run: vectors
+// per thread within its budget itmax (a plan meant for bwd_cluster_kernel,
+// which holds y only, may take up to twice as many).
+Plan within_budget(const Plan& p, int64_t K, int V, int itmax) {
+  if (p.it <= itmax) return p;
+  const int rows_per_block = int64_t{p.G} * V * itmax >= K ? p.block / p.G : 1;
+  return plan_from(PlanRequest{p.G, rows_per_block, itmax, p.kind != Kind::Rows}, K, V);
 }
 
 template <typename T, sm::Mode MODE>
@@ -1564,7 +1734,25 @@ void backward_cuda_impl(const sm::BwdArgs& a, const at::Tensor& t, const PlanReq
     constexpr int V = decltype(vconst)::value;
     using B = Budget<T, 2, sm::Mode::Softmax>;
     constexpr int ITMAX = B::template itmax<V>();
-    const Plan p = resolve_plan<B, V>(req, a.K, 2);
+    // Rows split over a cluster hold y only (bwd_cluster_kernel): the
+    // forward's budget.
+    constexpr int ITCLUSTER = kClusterBackward<T, V, 4> ? Budget<T, 1, sm::Mode::Softmax>::template itmax<V>() : ITMAX;
+    Plan p = resolve_plan<B, V>(req, a.K, 2, false, ITCLUSTER);
+    if (p.kind == Kind::Cluster && (p.nchunks > kBothArraysMaxCluster || p.it > ITMAX)) {
+      bool launched = false;
+      with_iters<ITCLUSTER>(p.it, [&](auto itconst) {
+        constexpr int IT = decltype(itconst)::value;
+        if constexpr (kClusterBackward<T, V, IT>) {
+          const auto kernel = bwd_cluster_kernel<T, V, IT, MODE>;
+          if (cluster_launchable(kernel, p.nchunks, p.block)) {
+            run_plan<A>(p, kernel, a, a.outer, a.K, 2 * sizeof(T), 1, t.options());
+            launched = true;
+          }
+        }
+      });
+      if (launched) return;
+    }
+    p = within_budget(p, a.K, V, ITMAX);  // fewer vectors per thread, or the split where clusters fail
     with_iters<ITMAX>(p.it, [&](auto itconst) {
       constexpr int IT = decltype(itconst)::value;
       run_plan<A>(p, bwd_rows_kernel<T, V, IT, MODE>, a, a.outer, a.K, 2 * sizeof(T), 1, t.options());
