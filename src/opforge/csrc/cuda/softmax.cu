@@ -859,8 +859,10 @@ __device__ __forceinline__ void unstage_values(const uint4* stage, const Segment
 // measured 69% of the floor on 512 x 262144 against 67% for a cluster per
 // row (widened to float, 64%), and needed more registers than the 64 that
 // keep four 256-thread blocks per SM (ptxas -v: spills); allowed 128
-// registers (no spills) they measured 58-61% against 67%. They run a
-// cluster per row, as 8-byte types (not measured) do.
+// registers (no spills) they measured 58-61% against 67%; packed, with
+// the next row staged as float32 does, 65-68% against 77% (after the FFMA
+// exps). They run a cluster per row (fwd_staged_kernel, 83%), as 8-byte
+// types (not measured) do.
 template <typename T, int V, sm::Mode MODE>
 constexpr bool kResident = MODE != sm::Mode::ScaledMasked && sizeof(T) == 4 && V * sizeof(T) == 16;
 
@@ -1518,10 +1520,12 @@ PlanRequest default_request(int64_t K, int V, int itmax, int itlight, int itclus
   // elements): threads of E = 32 values (of each array) up to 2048
   // elements, E = 64 beyond; one block per row while 512 threads hold it,
   // else a cluster of up to 16 blocks (of 256 threads first forward, of
-  // 512 backward), else the split. Measured best on an H200 (bfloat16):
+  // 512 backward), else (backward) a cluster of 512-thread blocks holding
+  // 128 values of y, else the split. Measured best on an H200 (bfloat16):
   // forward a block of 128 threads x 64 values on 8192 x 8192 (90% of the
   // floor), 512 x 64 on 4096 x 32768 (84%), a cluster of 16 x 256 x 64 on
-  // 512 x 262144 (67%; 8 x 512 x 64: 64%), 32 x 32 on 8192 x 1024; backward
+  // 512 x 262144 (83% with the chunks in shared memory, fwd_staged_kernel;
+  // 8 x 512 x 64: 82%), 32 x 32 on 8192 x 1024; backward
   // 512 x 64 on 4096 x 32768 (99%), a cluster of 8 x 512 x 64 on 512 x
   // 262144 (85%; 16 x 256 x 64: 81-85%), within 2% of the best elsewhere.
   if (packed && K > 512) {
