@@ -655,6 +655,30 @@ __device__ __forceinline__ float packed_max(const uint32_t (&w)[N]) {
 #endif
 }
 
+// Adds the exps of one register's two values, against the scaled max mk
+// (scaled_max), to sum: the low value first.
+template <typename T>
+__device__ __forceinline__ void add_packed_exps(uint32_t w, float mk, float& sum) {
+  float lo, hi;
+  widen2<T>(w, lo, hi);
+  sum += exp_from(lo, mk);
+  sum += exp_from(hi, mk);
+}
+
+// One register's two outputs from its two inputs: exp(x - m) / sum, or
+// (x - m) - log(sum) for log_softmax, given m, mk = scaled_max(m),
+// inv = 1 / sum and l = log_sum(m, sum) (log_softmax only).
+template <typename T, sm::Mode MODE>
+__device__ __forceinline__ uint32_t packed_output_word(uint32_t w, float m, float mk, float inv, float l) {
+  float lo, hi;
+  widen2<T>(w, lo, hi);
+  if constexpr (MODE == sm::Mode::LogSoftmax) {
+    return narrow2<T>((lo - m) - l, (hi - m) - l);
+  } else {
+    return narrow2<T>(exp_from(lo, mk) * inv, exp_from(hi, mk) * inv);
+  }
+}
+
 // forward_stats for values held as loaded (kPacked): w holds the
 // segment's IT vectors of V values, V / 2 registers each (-inf past the
 // row); the values stay as they are.
@@ -669,12 +693,7 @@ __device__ __forceinline__ void packed_stats(const uint32_t (&w)[IT * V / 2], co
   for (int it = 0; it < IT; ++it) {
     if (s.offset(it, G, V) < s.len) {
 #pragma unroll
-      for (int k = 0; k < W; ++k) {
-        float lo, hi;
-        widen2<T>(w[it * W + k], lo, hi);
-        sum += exp_from(lo, mk);
-        sum += exp_from(hi, mk);
-      }
+      for (int k = 0; k < W; ++k) add_packed_exps<T>(w[it * W + k], mk, sum);
     }
   }
   sum = group_reduce(sum, G, SumOp{}, smem);
@@ -689,15 +708,7 @@ __device__ __forceinline__ void packed_outputs(uint32_t (&w)[IT * V / 2], float 
   const float mk = scaled_max(m);
   const float inv = 1.0f / sum;
 #pragma unroll
-  for (int k = 0; k < IT * V / 2; ++k) {
-    float lo, hi;
-    widen2<T>(w[k], lo, hi);
-    if constexpr (MODE == sm::Mode::LogSoftmax) {
-      w[k] = narrow2<T>((lo - m) - l, (hi - m) - l);
-    } else {
-      w[k] = narrow2<T>(exp_from(lo, mk) * inv, exp_from(hi, mk) * inv);
-    }
-  }
+  for (int k = 0; k < IT * V / 2; ++k) w[k] = packed_output_word<T, MODE>(w[k], m, mk, inv, l);
 }
 
 // finish_forward for values held as loaded (kPacked). For a row held whole
@@ -967,12 +978,7 @@ __global__ void __launch_bounds__(kMaxGroup, IT <= 8 ? 3 : 1)
       const uint4 r = mine[it * blockDim.x];
       const uint32_t w4[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float lo, hi;
-        widen2<T>(w4[k], lo, hi);
-        sum += exp_from(lo, mk);
-        sum += exp_from(hi, mk);
-      }
+      for (int k = 0; k < 4; ++k) add_packed_exps<T>(w4[k], mk, sum);
     }
   }
   sum = group_reduce(sum, G, SumOp{}, smem);
@@ -989,15 +995,7 @@ __global__ void __launch_bounds__(kMaxGroup, IT <= 8 ? 3 : 1)
       const uint4 r = mine[it * blockDim.x];
       uint32_t w4[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float lo, hi;
-        widen2<T>(w4[k], lo, hi);
-        if constexpr (MODE == sm::Mode::LogSoftmax) {
-          w4[k] = narrow2<T>((lo - gm) - l, (hi - gm) - l);
-        } else {
-          w4[k] = narrow2<T>(exp_from(lo, mk) * inv, exp_from(hi, mk) * inv);
-        }
-      }
+      for (int k = 0; k < 4; ++k) w4[k] = packed_output_word<T, MODE>(w4[k], gm, mk, inv, l);
       AlignedVec<T, V> vec;
       memcpy(&vec, w4, sizeof(vec));
       opforge::cuda::store_vec<T, V>(q, off / V, vec);
