@@ -1626,6 +1626,16 @@ void launch_clusters(Kernel kernel, dim3 grid, int block, size_t smem, Args... a
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
 }
 
+// Calls launch(grid, r0, r1) for a cluster of p.nchunks blocks per row over
+// rows [r0, r1), in launches of at most 65535 rows (grid.y's limit).
+template <typename F>
+void for_cluster_launches(const Plan& p, int64_t rows, F launch) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
+    const int64_t n = std::min<int64_t>(rows - r0, 65535);
+    launch(dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), r0, r0 + n);
+  }
+}
+
 // Launches kernel(args..., G, phase, row0, rows, chunk, partials, nchunks)
 // over all rows per the plan: one launch per batch of rows for Rows and
 // Cluster (phase 0 / 3); two per batch for Split (phases 1 and 2), batches
@@ -1647,11 +1657,9 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   }
   if (p.kind == Kind::Cluster && !cluster_launchable(kernel, p.nchunks, p.block)) p.kind = Kind::Split;
   if (p.kind == Kind::Cluster) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
-      const int64_t n = std::min<int64_t>(rows - r0, 65535);
-      launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), p.block, 0,
-                           args, p.G, 3, r0, r0 + n, p.chunk, static_cast<A*>(nullptr), p.nchunks);
-    }
+    for_cluster_launches(p, rows, [&](dim3 grid, int64_t r0, int64_t r1) {
+      launch_clusters(kernel, grid, p.block, 0, args, p.G, 3, r0, r1, p.chunk, static_cast<A*>(nullptr), p.nchunks);
+    });
     return;
   }
   const int64_t l2 = std::max<int64_t>(at::cuda::getCurrentDeviceProperties()->l2CacheSize, 1 << 20);
@@ -1692,11 +1700,9 @@ template <typename Kernel, typename Args>
 bool run_staged(const Plan& p, Kernel kernel, const Args& args, int64_t rows, size_t stage_bytes) {
   const size_t smem = stage_bytes * p.block;
   if (active_clusters(kernel, p.nchunks, p.block, smem) <= 0) return false;
-  for (int64_t r0 = 0; r0 < rows; r0 += 65535) {
-    const int64_t n = std::min<int64_t>(rows - r0, 65535);
-    launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), static_cast<unsigned>(n), 1), p.block, smem, args,
-                    p.G, r0, r0 + n, p.chunk);
-  }
+  for_cluster_launches(p, rows, [&](dim3 grid, int64_t r0, int64_t r1) {
+    launch_clusters(kernel, grid, p.block, smem, args, p.G, r0, r1, p.chunk);
+  });
   return true;
 }
 
