@@ -1,7 +1,7 @@
 """Measures softmax launch plans on the current GPU, to set the default plan's rules.
 
     python -m opforge.bench.softmax_plans [--shapes 8192x1024,65536x128] [--dtypes float32,bfloat16]
-                                          [--modes fwd,bwd] [--json plans.json]
+                                          [--modes fwd,bwd] [--compiled] [--json plans.json]
 
 For each shape, dtype and mode it times, as device time with inputs rotated
 past the L2 cache (``timing.time_cuda``): every plan the kernels accept for
@@ -10,9 +10,10 @@ that row length (``torch.ops.opforge._softmax_plan`` /
 per thread, cluster or two-pass split for rows longer than a block, and
 float32 forward clusters that stay resident and walk the rows; backward
 clusters hold y only, so they take up to the forward's vectors per thread), the
-default plan (``opforge.softmax``), eager torch and a device copy of the same
-bytes. Each plan's result is checked against eager before it is timed.
-Prints the fastest plans per case; ``--json`` keeps every measurement.
+default plan (``opforge.softmax``), eager torch (with ``--compiled``, its
+``torch.compile`` too) and a device copy of the same bytes. Each plan's
+result is checked against eager before it is timed. Prints the fastest
+plans per case; ``--json`` keeps every measurement.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def _timed(fn, sets) -> float:
     return timing.time_cuda(call, warmup_ms=5.0, rep_ms=20.0).median_ms
 
 
-def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cache: int) -> list[dict]:
+def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cache: int,
+            compiled: bool = False) -> list[dict]:
     s = torch.empty((), dtype=dtype).element_size()
     if mode == "fwd":
         nbytes = 2 * m * k * s
@@ -127,6 +129,9 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
         }
         plan_op = torch.ops.opforge._softmax_backward_plan
         arrays = 2
+    if compiled:
+        # torch.compile of eager's composition, the other baseline of `opforge bench`.
+        providers["compiled"] = torch.compile(providers["eager"], dynamic=False)
     sets = _sets(make, nbytes, cache)
     want = providers["eager"](*sets[0])
     rows = []
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--modes", default="fwd,bwd")
     ap.add_argument("--top", type=int, default=4)
+    ap.add_argument("--compiled", action="store_true", help="also time torch.compile of eager's composition")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         for dname in args.dtypes.split(","):
             dtype = getattr(torch, dname)
             for mode in args.modes.split(","):
-                rows = measure(m, k, dtype, mode, bandwidth, cache)
+                rows = measure(m, k, dtype, mode, bandwidth, cache, args.compiled)
                 everything += rows
                 fixed = {r["plan"]: r for r in rows if not r["plan"].startswith("plan")}
                 plans = sorted((r for r in rows if r["plan"].startswith("plan") and r["ms"]), key=lambda r: r["ms"])
