@@ -1,9 +1,12 @@
 """opforge.add / opforge.add_relu and their fused backward."""
 
+import os
+
 import pytest
 import torch
 
 import opforge
+from cpu_isa import ORDER, native, run_capped
 from reference import DTYPES, poisoned, rand
 
 OPS = {
@@ -274,10 +277,6 @@ def test_large_tensor_vector_path(dtype):
 def test_every_cpu_isa_build_is_exact(capability):
     # Each ISA's loops are separate machine code: check each one, picked the
     # way torch picks its own (ATEN_CPU_CAPABILITY caps the choice).
-    import os
-    import subprocess
-    import sys
-
     code = """
 import torch, opforge
 from opforge.ops.add import add, add_relu
@@ -288,9 +287,27 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         assert torch.equal(add(a, b), (a.double() + b.double()).to(dtype)), (dtype, n)
         assert torch.equal(add_relu(a, b), torch.relu(a.double() + b.double()).to(dtype)), (dtype, n)
         assert torch.equal(add_relu(a[:, None], b[None, :7]), torch.relu(a.double()[:, None] + b.double()[None, :7]).to(dtype))
-print("ok", torch.backends.cpu.get_cpu_capability())
+print("ok")
 """
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    run_capped(capability, code)
+
+
+def test_cpu_isa_never_beyond_the_cpu():
+    # ATEN_CPU_CAPABILITY=avx512 makes torch report AVX512 even on a CPU
+    # without it; opforge still picks the best loops the CPU runs (AVX-512
+    # ones would stop on an illegal instruction).
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, opforge\n"
+        "from opforge import _loader\n"
+        "a = torch.randn(1000)\n"
+        "assert torch.equal(opforge.add_relu(a, a), torch.relu(a + a))\n"
+        "print(_loader.build_info()['cpu_isa'])\n"
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx512"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("ok")
+    best = native()
+    assert proc.stdout.split() == [best.upper() if best in ORDER else "DEFAULT"], proc.stdout

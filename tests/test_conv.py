@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import opforge
+from cpu_isa import run_capped
 from reference import DTYPES, TOLERANCES, poisoned, rand
 
 # float32 on CUDA may use TF32 (dense path, like F.conv2d): both operands are
@@ -491,10 +492,6 @@ def test_depthwise_backward_every_cpu_isa(capability):
     (AVX-512 walks two rows at once and splits stride-2 rows with its own
     permutes): each against float64, picked the way
     torch picks its own (ATEN_CPU_CAPABILITY caps the choice)."""
-    import os
-    import subprocess
-    import sys
-
     code = """
 import math, torch, torch.nn.functional as F, opforge
 for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
@@ -518,12 +515,9 @@ for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)):
                     # the rounding of the result itself
                     tol = atol * math.sqrt(n) * 2 + 2.0**-8 * r.abs().max().item() * (dtype == torch.bfloat16)
                     assert err <= tol, (dtype, cl, s, pad, c, err, tol)
-print("ok", torch.backends.cpu.get_cpu_capability())
+print("ok")
 """
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("ok")
+    run_capped(capability, code)
 
 
 def test_double_backward_raises(device):

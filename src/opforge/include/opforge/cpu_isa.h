@@ -3,7 +3,8 @@
 // A kernel source is compiled once per ISA by three small translation units
 // (see cpu_isa_begin.h), each placing its functions in the namespace
 // opforge::cpu::DEFAULT, ::AVX2 or ::AVX512. The op picks one at run time
-// with the same detection torch uses (it honours ATEN_CPU_CAPABILITY), so a
+// with the same detection torch uses (it honours ATEN_CPU_CAPABILITY), capped
+// by what the CPU itself runs (cpu_supports), so a
 // single binary runs everywhere and uses 512-bit vectors where they exist.
 #pragma once
 
@@ -15,12 +16,39 @@ namespace opforge::cpu {
 
 enum class Isa { Default, Avx2, Avx512 };
 
+// Whether this CPU runs the instructions a build for `isa` is compiled with
+// (the target lists in cpu_isa_begin.h). torch's capability alone is not
+// enough: ATEN_CPU_CAPABILITY=avx512 makes torch report AVX512 on a CPU
+// without it, and our AVX-512 loops would then stop on an illegal
+// instruction.
+inline bool cpu_supports(Isa isa) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi") &&
+                    __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+  switch (isa) {
+    case Isa::Avx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case Isa::Avx2: return avx2;
+    default: return true;
+  }
+#else
+  // Elsewhere the ISA builds compile as the portable one (cpu_isa_begin.h
+  // enables AVX only on x86-64), or torch's check is the only one at hand.
+  return true;
+#endif
+}
+
 inline Isa isa() {
   static const Isa value = [] {
     const std::string cap = at::get_cpu_capability();
-    if (cap == "AVX512") return Isa::Avx512;
-    if (cap == "AVX2") return Isa::Avx2;
-    return Isa::Default;
+    Isa want = cap == "AVX512" ? Isa::Avx512 : cap == "AVX2" ? Isa::Avx2 : Isa::Default;
+    // The best this CPU runs, at most what torch picked.
+    if (want == Isa::Avx512 && !cpu_supports(Isa::Avx512)) want = Isa::Avx2;
+    if (want == Isa::Avx2 && !cpu_supports(Isa::Avx2)) want = Isa::Default;
+    return want;
   }();
   return value;
 }
