@@ -4,8 +4,8 @@
 // (see cpu_isa_begin.h), each placing its functions in the namespace
 // opforge::cpu::DEFAULT, ::AVX2 or ::AVX512. The op picks one at run time
 // with the same detection torch uses (it honours ATEN_CPU_CAPABILITY), capped
-// by what the CPU itself runs (cpu_supports), so a
-// single binary runs everywhere and uses 512-bit vectors where they exist.
+// by what the CPU itself runs (cpu_supports), so a single binary runs
+// everywhere and uses 512-bit vectors where they exist.
 #pragma once
 
 #include <ATen/Version.h>
