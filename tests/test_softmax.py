@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import opforge
+from cpu_isa import run_capped
 from reference import DTYPES, TOLERANCES, assert_close, poisoned, rand
 
 INF = float("inf")
@@ -153,15 +154,34 @@ def test_cpu_float32_streamed_output(K):
 
 
 @pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [16, 1000, 8192])
-def test_float32_exp_range(name, K, device):
+def test_exp_range(name, dtype, K, device):
     # x - max spanning 0 down to -130: exp of every magnitude a float32 holds,
     # the denormal range (below -87.3) and underflow to 0, in one row.
     x = torch.linspace(0.0, -130.0, K).repeat(4, 1)
     x[1] = x[1].flip(0) + 50.0
     x[2] = x[2][torch.randperm(K)]
     x[3, ::3] = -INF
-    check(name, x.to(device), -1)
+    check(name, x.to(dtype).to(device), -1)
+
+
+def correctly_rounded(out, x):
+    """The fraction of `out` equal to the float64 softmax of `x` rounded to out's dtype."""
+    expected = torch.softmax(x.double().cpu(), -1).to(out.dtype)
+    return (out.cpu() == expected).double().mean().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [40, 128, 1000, 8192])
+def test_half_outputs_round_correctly(dtype, K, device):
+    # Half-type outputs are rounded once from float32 arithmetic: all but a
+    # few per thousand must be the correctly rounded result (the exps'
+    # polynomial error must stay far below the dtype's rounding), and none
+    # off by more than the tolerance.
+    x = rand((64, K), torch.float32, device, scale=3.0).to(dtype)
+    out = check("softmax", x, -1)
+    assert correctly_rounded(out, x) >= 0.998
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -174,6 +194,34 @@ def test_offset_rows(name, dtype, K, offset, device):
     # as (x - m) - log sum; the exps' scaled max in base 2).
     x = (rand((3, K), torch.float32, device, scale=3.0) + offset).to(dtype)
     check(name, x, -1)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_every_cpu_isa_build(capability):
+    # Each ISA's loops are separate machine code with their own exp and
+    # conversions (AVX2's half types: a polynomial exp and bfloat16 chunks
+    # in an order of their own), picked the way torch picks its own
+    # (ATEN_CPU_CAPABILITY caps the choice): every dtype, short rows in
+    # groups and alone, ragged tails, long rows, -inf and NaN rows.
+    code = """
+import torch, opforge
+tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+for dtype in tol:
+    for K in (1, 7, 40, 128, 1000, 1031, 5000):
+        x = (torch.randn(9, K, dtype=torch.float64) * 3).to(dtype)
+        x[1, ::3] = -float("inf")
+        x[6, K // 2] = float("nan")
+        x[7] = -float("inf")
+        for ours, theirs in ((opforge.softmax, torch.softmax), (opforge.log_softmax, torch.log_softmax)):
+            expected = theirs(x.double(), -1).to(dtype)
+            torch.testing.assert_close(ours(x, -1), expected, atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
+            torch.testing.assert_close(ours(x.t(), 0), expected.t(), atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
+    if dtype in (torch.float16, torch.bfloat16):
+        x = (torch.randn(64, 1000) * 3).to(dtype)
+        assert (opforge.softmax(x, -1) == torch.softmax(x.double(), -1).to(dtype)).double().mean() >= 0.998, dtype
+print("ok")
+"""
+    run_capped(capability, code)
 
 
 # --------------------------------------------------------------------------- scaled_masked_softmax

@@ -142,7 +142,8 @@ inline void log_softmax_from_acc(const float* src, T* dst, int64_t n, float m, f
 // and 2^k applied by vscalefps (which underflows to denormals and 0 as exp
 // does): 11 instructions against exp_u20's 19 plus vexp's NaN blend, on a
 // CPU path that is bound by this arithmetic (the float forward ran about as
-// fast with its input in cache as from memory). Elsewhere: vexp.
+// fast with its input in cache as from memory). AVX2 float: see below.
+// Elsewhere: vexp.
 template <typename A>
 inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -159,16 +160,73 @@ inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
     p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, k);
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) {
+    // The same 2^k p(r), with 2^k added into p's exponent field: kept
+    // normal for k >= -125, and below that (exp(v) < 2^-125.5) the result
+    // is 0, as exp_u20 flushes its results below 2^-126 (vscalefps does not
+    // exist here). 15 instructions against exp_u20's 19 plus the NaN blend.
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(0.00828929059f), _mm256_set1_ps(0.0418978221f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.166676521f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.499991506f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.999999701f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.f));
+    // v = -inf: k = -inf converts to INT_MIN and p is NaN; the mask zeroes it.
+    const __m256i e = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
+    const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+    return _mm256_and_ps(y, _mm256_cmp_ps(k, _mm256_set1_ps(-125.f), _CMP_GE_OQ));
+  }
 #endif
   return vexp(v);
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX2, for results that end up in a half type: 2^t for t <= 0 (exp(v) for
+// t = v log2 e), never NaN, as 2^k p(f) with k = floor(t), f in [0, 1) and
+// p a polynomial for 2^f: degree 4 for bfloat16 (relative error 2.6e-6,
+// against its rounding of 2^-9), degree 5 for float16 (9e-8, against
+// 2^-12), so that about as many outputs round correctly as with exp_u20
+// (float16) or more than with fexp_u20's cubic (bfloat16: 99.96% against
+// 99.0%). 2^k goes into the exponent field by an integer add; results
+// below 2^-126 are 0, as fexp_u20's. With t taken by one FMA from x and the
+// scaled max (exp_shifted), 11-12 instructions against exp_u20's 19
+// (fexp_u20's 16) plus the subtraction and the NaN blend.
+template <typename T>
+inline Vectorized<float> exp2_nonpos_half(__m256 t) {
+  const __m256 k = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, k);
+  __m256 p;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    p = _mm256_fmadd_ps(f, _mm256_set1_ps(0.013534137f), _mm256_set1_ps(0.052011490f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.24144277f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.69300383f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.0000026f));
+  } else {
+    p = _mm256_fmadd_ps(f, _mm256_set1_ps(0.0018775743f), _mm256_set1_ps(0.0089893453f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.055826314f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.24015361f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.69315308f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.f));
+  }
+  // t = -inf gives k = -inf, which converts to INT_MIN and the shift
+  // makes 0; the mask below zeroes that lane anyway.
+  const __m256i e = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
+  const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+  return _mm256_and_ps(r, _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_GE_OQ));
+}
+#endif
+
 // The exp of the element pass, for values whose results end up in T.
 // kFinite: v = x - max over a row with a finite max, so in [-inf, 0] and
 // never NaN: exp_nonpos (its fast form on AVX-512). bfloat16 otherwise (and
-// off AVX-512) takes at::vec's cheaper cubic exp: it keeps 8 significant
-// bits, and the cubic's relative error is far below that rounding. Every
-// other case: vexp.
+// in the portable build) takes at::vec's cheaper cubic exp: it keeps 8
+// significant bits, and the cubic's relative error is far below that
+// rounding. Every other case: vexp. (On AVX2 the half types' rows with a
+// finite max take exp_shifted's own exp instead.)
 template <typename T, bool kFinite>
 inline Vectorized<Acc<T>> exp_for(const Vectorized<Acc<T>>& v) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -183,6 +241,23 @@ inline Vectorized<Acc<T>> exp_for(const Vectorized<Acc<T>>& v) {
   } else {
     return vexp(v);
   }
+}
+
+// exp(x - m) for the half types' element passes: exp_for, or on AVX2 with
+// a finite m, exp2_nonpos_half(x log2 e - mk) with mk = m log2 e (ShiftedMax):
+// mk's rounding shifts every exp of the row by the same factor, which the
+// division by their sum cancels.
+struct ShiftedMax {
+  Vectorized<float> m, mk;
+  explicit ShiftedMax(float max = 0.f) : m(max), mk(max * 1.44269504088896341f) {}
+};
+
+template <typename T, bool kFinite>
+inline Vectorized<float> exp_shifted(const Vectorized<float>& x, const ShiftedMax& s) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kFinite) return exp2_nonpos_half<T>(_mm256_fmsub_ps(x, _mm256_set1_ps(1.44269504088896341f), s.mk));
+#endif
+  return exp_for<T, kFinite>(x - s.m);
 }
 
 // sum(exp(src - m)), also storing dst[i] = exp(src[i] - m) when kStore
@@ -268,8 +343,74 @@ inline A sum_exp(const A* src, int64_t n, A m) {
 
 // ------------------------------------------------------------------ forward, inner-most dim
 
-// y[0, n) = T(buf * mul), rounded once.
+// The half types' rows in chunks of Vectorized<T>::size() values, as two
+// float vectors each, in an order of the kernels' own where that saves
+// instructions: on AVX2, a bfloat16 chunk of 16 values loads as values 0-3
+// and 8-11 in the first vector, 4-7 and 12-15 in the second (one unpack
+// with zeros each, no moves across 128-bit lanes), and store() packs such a
+// pair back in the original order. Loads serve order-free passes (max,
+// sum) and exps written to a scratch row that store() reads back chunk by
+// chunk; elsewhere the order is the original one. kFinite: the values are
+// known not to be NaN (bfloat16 on AVX2 then skips the NaN test of every
+// lane that at::vec's conversion makes).
 template <typename T>
+struct ChunkIO {
+  using V = Vectorized<float>;
+  using Pack = typename VecIO<T>::Pack;
+  static constexpr int64_t kWidth = Vectorized<T>::size();
+
+  static Pack load(const T* p) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i z = _mm256_setzero_si256();
+      Pack out;
+      out.v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+      out.v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+      return out;
+    }
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      // Two 128-bit loads instead of one 256-bit load split in two.
+      Pack out;
+      out.v[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      out.v[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+      return out;
+    }
+#endif
+    return VecIO<T>::load(p);
+  }
+
+  template <bool kFinite>
+  static void store(T* p, const V& a, const V& b) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      auto round = [](__m256 v) {
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+        if constexpr (!kFinite) {
+          r = _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+        }
+        return r;
+      };
+      // packus takes 128-bit lanes in turn: lane 0 gets values 0-3, 4-7.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(round(a), round(b)));
+      return;
+    }
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
+      return;
+    }
+#endif
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+};
+
+// y[0, n) = T(buf * mul), rounded once. kChunks: buf holds a half type's
+// row written chunk by chunk in ChunkIO's order (the values past the last
+// whole chunk in the original one); kFinite: buf holds no NaN.
+template <typename T, bool kChunks = false, bool kFinite = false>
 inline void scale_out(const Acc<T>* buf, T* y, int64_t n, Acc<T> mul) {
   using A = Acc<T>;
   using V = Vectorized<A>;
@@ -277,13 +418,13 @@ inline void scale_out(const Acc<T>* buf, T* y, int64_t n, Acc<T> mul) {
   const V vm(mul);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    Vectorized<T> r;
-    if constexpr (kNeedsConvert<T>) {
-      r = at::vec::convert_from_float<T>(V::loadu(buf + i) * vm, V::loadu(buf + i + V::size()) * vm);
+    if constexpr (kChunks) {
+      ChunkIO<T>::template store<kFinite>(y + i, V::loadu(buf + i) * vm, V::loadu(buf + i + V::size()) * vm);
+    } else if constexpr (kNeedsConvert<T>) {
+      at::vec::convert_from_float<T>(V::loadu(buf + i) * vm, V::loadu(buf + i + V::size()) * vm).store(y + i);
     } else {
-      r = V::loadu(buf + i) * vm;
+      (V::loadu(buf + i) * vm).store(y + i);
     }
-    r.store(y + i);
   }
   for (; i < n; ++i) y[i] = static_cast<T>(buf[i] * mul);
 }
@@ -298,7 +439,7 @@ inline Acc<T> in_max(const T* x, int64_t n) {
     V m0(-std::numeric_limits<float>::infinity()), m1 = m0;
     int64_t i = 0;
     for (; i + W <= n; i += W) {
-      const auto p = IO::load(x + i);
+      const auto p = ChunkIO<T>::load(x + i);
       m0 = at::vec::maximum(m0, p.v[0]);
       m1 = at::vec::maximum(m1, p.v[1]);
     }
@@ -311,6 +452,22 @@ inline Acc<T> in_max(const T* x, int64_t n) {
   }
 }
 
+// Half types: the last n < 2 * V::size() values of a row, buf[0, n) =
+// exp(x - m) by the same exp as the rest of the row; returns their sum.
+template <typename T, bool kFinite>
+inline float tail_exp_sum(const T* x, float* buf, int64_t n, const ShiftedMax& sm) {
+  using V = Vectorized<float>;
+  for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<float>(x[j]);
+  V acc(0);
+  for (int64_t j = 0; j < n; j += V::size()) {
+    const int64_t c = std::min<int64_t>(V::size(), n - j);
+    const V e = exp_shifted<T, kFinite>(V::loadu(buf + j, c), sm);
+    e.store(buf + j, c);
+    acc = acc + V::set(V(0), e, c);  // lanes past the row stay 0
+  }
+  return at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc);
+}
+
 // Half types: buf = exp(x - m) in float; returns the sum. A finite m
 // means x holds no NaN and no +inf (exp_for's kFinite).
 template <typename T, bool kFinite>
@@ -318,14 +475,13 @@ inline float in_exp_sum_pass(const T* x, float* buf, int64_t n, float m) {
   using IO = VecIO<T>;
   using V = Vectorized<float>;
   constexpr int64_t W = IO::kWidth;
-  auto ex = [](const V& v) { return exp_for<T, kFinite>(v); };
-  const V vm(m);
+  const ShiftedMax sm(m);
   V acc0(0), acc1(0);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const auto p = IO::load(x + i);
-    const V e0 = ex(p.v[0] - vm);
-    const V e1 = ex(p.v[1] - vm);
+    const auto p = ChunkIO<T>::load(x + i);
+    const V e0 = exp_shifted<T, kFinite>(p.v[0], sm);
+    const V e1 = exp_shifted<T, kFinite>(p.v[1], sm);
     e0.store(buf + i);
     e1.store(buf + i + V::size());
     acc0 = acc0 + e0;
@@ -333,10 +489,7 @@ inline float in_exp_sum_pass(const T* x, float* buf, int64_t n, float m) {
   }
   acc0 = acc0 + acc1;
   float s = at::vec::vec_reduce_all<float>([](V& u, V& w) { return u + w; }, acc0);
-  if (i < n) {
-    for (int64_t j = i; j < n; ++j) buf[j] = static_cast<float>(x[j]);
-    s += exp_and_sum(buf + i, buf + i, n - i, m);
-  }
+  if (i < n) s += tail_exp_sum<T, kFinite>(x + i, buf + i, n - i, sm);
   return s;
 }
 
@@ -361,6 +514,7 @@ constexpr int kRows = 4;
 
 template <typename T>
 inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
+  static_assert(kNeedsConvert<T>, "half types only");
   using A = Acc<T>;
   using IO = VecIO<T>;
   using V = Vectorized<A>;
@@ -371,58 +525,42 @@ inline void softmax_short_rows(const T* x, T* y, int64_t K, Acc<T>* buf) {
   int64_t i = 0;
   for (; i + W <= K; i += W) {
     for (int r = 0; r < kRows; ++r) {
-      const auto p = IO::load(x + r * K + i);
+      const auto p = ChunkIO<T>::load(x + r * K + i);
       for (int k = 0; k < P; ++k) mx[r] = at::vec::maximum(mx[r], p.v[k]);
     }
   }
   const int64_t body = i;
   A m[kRows], s[kRows];
+  ShiftedMax sm[kRows];
   for (int r = 0; r < kRows; ++r) {
     m[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return at::vec::maximum(u, w); }, mx[r]);
     for (int64_t j = body; j < K; ++j) m[r] = max_nan(m[r], static_cast<A>(x[r * K + j]));
-    mx[r] = V(m[r]);
+    sm[r] = ShiftedMax(m[r]);
     acc[r] = V(0);
-  }
-  // float: exp goes straight to y (scaled in place below); half types: to buf.
-  A* dst;
-  if constexpr (kNeedsConvert<T>) {
-    dst = buf;
-  } else {
-    dst = y;
   }
   // Every max finite: no NaN or +inf in the rows (exp_for's kFinite).
   auto exp_rows = [&](auto finite) {
+    constexpr bool kFinite = decltype(finite)::value;
     for (i = 0; i < body; i += W) {
       for (int r = 0; r < kRows; ++r) {
-        const auto p = IO::load(x + r * K + i);
+        const auto p = ChunkIO<T>::load(x + r * K + i);
         for (int k = 0; k < P; ++k) {
-          const V e = exp_for<T, decltype(finite)::value>(p.v[k] - mx[r]);
-          e.store(dst + r * K + i + k * V::size());
+          const V e = exp_shifted<T, kFinite>(p.v[k], sm[r]);
+          e.store(buf + r * K + i + k * V::size());
           acc[r] = acc[r] + e;
         }
       }
     }
+    for (int r = 0; r < kRows; ++r) {
+      s[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc[r]);
+      if (body < K) s[r] += tail_exp_sum<T, kFinite>(x + r * K + body, buf + r * K + body, K - body, sm[r]);
+    }
+    for (int r = 0; r < kRows; ++r) scale_out<T, true, kFinite>(buf + r * K, y + r * K, K, A(1) / s[r]);
   };
   if (std::all_of(m, m + kRows, [](A v) { return std::isfinite(v); })) {
     exp_rows(std::true_type{});
   } else {
     exp_rows(std::false_type{});
-  }
-  for (int r = 0; r < kRows; ++r) {
-    s[r] = at::vec::vec_reduce_all<A>([](V& u, V& w) { return u + w; }, acc[r]);
-    if (body < K) {
-      A* b = dst + r * K;
-      for (int64_t j = body; j < K; ++j) b[j] = static_cast<A>(x[r * K + j]);
-      s[r] += exp_and_sum(b + body, b + body, K - body, m[r]);
-    }
-  }
-  for (int r = 0; r < kRows; ++r) {
-    if constexpr (kNeedsConvert<T>) {
-      scale_out<T>(buf + r * K, y + r * K, K, A(1) / s[r]);
-    } else {
-      const V inv(A(1) / s[r]);
-      at::vec::map([inv](V v) { return v * inv; }, y + r * K, y + r * K, K);
-    }
   }
 }
 
@@ -510,15 +648,21 @@ void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf, b
       std::fill(buf + valid, buf + K, A(0));
       scale_out<T>(buf, y, K, A(1) / s);
     } else {
-      if (kNeedsConvert<T> && K <= kShortK && r + kRows <= r1) {
-        softmax_short_rows(x, y, K, buf);
-        r += kRows - 1;
-        continue;
+      if constexpr (kNeedsConvert<T>) {
+        if (K <= kShortK && r + kRows <= r1) {
+          softmax_short_rows(x, y, K, buf);
+          r += kRows - 1;
+          continue;
+        }
       }
       if constexpr (kNeedsConvert<T>) {
         const A m = in_max(x, K);
         const A s = in_exp_sum(x, buf, K, m);
-        scale_out<T>(buf, y, K, A(1) / s);
+        if (std::isfinite(m)) {
+          scale_out<T, true, true>(buf, y, K, A(1) / s);  // a finite max: no NaN
+        } else {
+          scale_out<T, true>(buf, y, K, A(1) / s);
+        }
       } else {
         // float: row r + 1's max is taken in row r's exp pass. With
         // stream (buf set), exp goes to buf and y is written once, by
