@@ -202,7 +202,8 @@ def test_every_cpu_isa_build(capability):
     # conversions (AVX2's half types: a polynomial exp and bfloat16 chunks
     # in an order of their own), picked the way torch picks its own
     # (ATEN_CPU_CAPABILITY caps the choice): every dtype, short rows in
-    # groups and alone, ragged tails, long rows, -inf and NaN rows.
+    # groups and alone, ragged tails, long rows, -inf and NaN rows, and the
+    # fused backward ops.
     code = """
 import torch, opforge
 tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -216,6 +217,15 @@ for dtype in tol:
             expected = theirs(x.double(), -1).to(dtype)
             torch.testing.assert_close(ours(x, -1), expected, atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
             torch.testing.assert_close(ours(x.t(), 0), expected.t(), atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
+        # the fused backward ops
+        x, g = (torch.randn(6, K, dtype=torch.float64) * 3 for _ in range(2))
+        y = torch.softmax(x, -1).to(dtype)
+        expected = torch._softmax_backward_data(g.to(dtype).double(), y.double(), -1, torch.float64).to(dtype)
+        torch.testing.assert_close(torch.ops.opforge._softmax_backward(g.to(dtype), y, -1), expected, atol=tol[dtype], rtol=tol[dtype])
+        y = torch.log_softmax(x, -1).to(dtype)
+        expected = torch._log_softmax_backward_data(g.to(dtype).double(), y.double(), -1, torch.float64).to(dtype)
+        scale = max(1.0, K / 1000)  # sum(dy) grows with the row
+        torch.testing.assert_close(torch.ops.opforge._log_softmax_backward(g.to(dtype), y, -1), expected, atol=tol[dtype] * scale, rtol=tol[dtype])
     if dtype in (torch.float16, torch.bfloat16):
         x = (torch.randn(64, 1000) * 3).to(dtype)
         assert (opforge.softmax(x, -1) == torch.softmax(x.double(), -1).to(dtype)).double().mean() >= 0.998, dtype

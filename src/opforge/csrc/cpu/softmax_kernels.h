@@ -75,6 +75,71 @@ inline void from_acc(const Acc<T>* src, T* dst, int64_t n) {
   }
 }
 
+// The half types' rows in chunks of Vectorized<T>::size() values, as two
+// float vectors each, in an order of the kernels' own where that saves
+// instructions: on AVX2, a bfloat16 chunk of 16 values loads as values 0-3
+// and 8-11 in the first vector, 4-7 and 12-15 in the second (one unpack
+// with zeros each, no moves across 128-bit lanes), and store() packs such a
+// pair back in the original order. Loads serve the passes that do not see
+// the order: reductions, and elementwise work whose results go back through
+// store() chunk by chunk (at once, or from a scratch row); elsewhere the
+// order is the original one. kFinite: the values are
+// known not to be NaN (bfloat16 on AVX2 then skips the NaN test of every
+// lane that at::vec's conversion makes).
+template <typename T>
+struct ChunkIO {
+  using V = Vectorized<float>;
+  using Pack = typename VecIO<T>::Pack;
+  static constexpr int64_t kWidth = Vectorized<T>::size();
+
+  static Pack load(const T* p) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i z = _mm256_setzero_si256();
+      Pack out;
+      out.v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+      out.v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+      return out;
+    }
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      // Two 128-bit loads instead of one 256-bit load split in two.
+      Pack out;
+      out.v[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      out.v[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+      return out;
+    }
+#endif
+    return VecIO<T>::load(p);
+  }
+
+  template <bool kFinite>
+  static void store(T* p, const V& a, const V& b) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      auto round = [](__m256 v) {
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+        if constexpr (!kFinite) {
+          r = _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+        }
+        return r;
+      };
+      // packus takes 128-bit lanes in turn: lane 0 gets values 0-3, 4-7.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(round(a), round(b)));
+      return;
+    }
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
+      return;
+    }
+#endif
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+};
+
 template <typename A>
 inline Vectorized<A> vexp(const Vectorized<A>& v) {
   if constexpr (std::is_same_v<A, float>) {
@@ -98,17 +163,16 @@ inline A row_max(const A* src, int64_t n) {
   return at::vec::reduce_all<A>([](V& a, V& b) { return at::vec::maximum(a, b); }, src, n);
 }
 
-// Half types: converts n values of src into dst (float) and returns their
-// max, in one pass.
+// Half types: converts n values of src into dst (float, in ChunkIO's
+// order) and returns their max, in one pass.
 template <typename T>
 inline float to_acc_max(const T* src, float* dst, int64_t n) {
-  using IO = VecIO<T>;
   using V = Vectorized<float>;
-  constexpr int64_t W = IO::kWidth;
+  constexpr int64_t W = ChunkIO<T>::kWidth;
   V mx(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const auto p = IO::load(src + i);
+    const auto p = ChunkIO<T>::load(src + i);
     p.v[0].store(dst + i);
     p.v[1].store(dst + i + V::size());
     mx = at::vec::maximum(mx, at::vec::maximum(p.v[0], p.v[1]));
@@ -122,16 +186,16 @@ inline float to_acc_max(const T* src, float* dst, int64_t n) {
 }
 
 // Half types: log_softmax's outputs dst = T((src - m) - l), converted and
-// stored in the same pass.
-template <typename T>
+// stored in the same pass; src as to_acc_max wrote it. kFinite: m is
+// finite, so src holds no NaN (and l = log of a sum >= 1 is finite).
+template <typename T, bool kFinite>
 inline void log_softmax_from_acc(const float* src, T* dst, int64_t n, float m, float l) {
   using V = Vectorized<float>;
-  constexpr int64_t W = Vectorized<T>::size();
+  constexpr int64_t W = ChunkIO<T>::kWidth;
   const V vm(m), vl(l);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    at::vec::convert_from_float<T>((V::loadu(src + i) - vm) - vl, (V::loadu(src + i + V::size()) - vm) - vl)
-        .store(dst + i);
+    ChunkIO<T>::template store<kFinite>(dst + i, (V::loadu(src + i) - vm) - vl, (V::loadu(src + i + V::size()) - vm) - vl);
   }
   for (; i < n; ++i) dst[i] = static_cast<T>((src[i] - m) - l);
 }
@@ -342,70 +406,6 @@ inline A sum_exp(const A* src, int64_t n, A m) {
 }
 
 // ------------------------------------------------------------------ forward, inner-most dim
-
-// The half types' rows in chunks of Vectorized<T>::size() values, as two
-// float vectors each, in an order of the kernels' own where that saves
-// instructions: on AVX2, a bfloat16 chunk of 16 values loads as values 0-3
-// and 8-11 in the first vector, 4-7 and 12-15 in the second (one unpack
-// with zeros each, no moves across 128-bit lanes), and store() packs such a
-// pair back in the original order. Loads serve order-free passes (max,
-// sum) and exps written to a scratch row that store() reads back chunk by
-// chunk; elsewhere the order is the original one. kFinite: the values are
-// known not to be NaN (bfloat16 on AVX2 then skips the NaN test of every
-// lane that at::vec's conversion makes).
-template <typename T>
-struct ChunkIO {
-  using V = Vectorized<float>;
-  using Pack = typename VecIO<T>::Pack;
-  static constexpr int64_t kWidth = Vectorized<T>::size();
-
-  static Pack load(const T* p) {
-#if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i z = _mm256_setzero_si256();
-      Pack out;
-      out.v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
-      out.v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
-      return out;
-    }
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      // Two 128-bit loads instead of one 256-bit load split in two.
-      Pack out;
-      out.v[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      out.v[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-      return out;
-    }
-#endif
-    return VecIO<T>::load(p);
-  }
-
-  template <bool kFinite>
-  static void store(T* p, const V& a, const V& b) {
-#if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      auto round = [](__m256 v) {
-        const __m256i u = _mm256_castps_si256(v);
-        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-        if constexpr (!kFinite) {
-          r = _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
-        }
-        return r;
-      };
-      // packus takes 128-bit lanes in turn: lane 0 gets values 0-3, 4-7.
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_packus_epi32(round(a), round(b)));
-      return;
-    }
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(b, _MM_FROUND_TO_NEAREST_INT));
-      return;
-    }
-#endif
-    at::vec::convert_from_float<T>(a, b).store(p);
-  }
-};
 
 // y[0, n) = T(buf * mul), rounded once. kChunks: buf holds a half type's
 // row written chunk by chunk in ChunkIO's order (the values past the last
@@ -700,7 +700,12 @@ void fwd_rows_log(const sm::FwdArgs& a) {
       // round at m's magnitude (logits offset by thousands).
       if constexpr (kNeedsConvert<T>) {
         const A m = to_acc_max(x, buf, K);
-        log_softmax_from_acc(buf, y, K, m, std::log(sum_exp(buf, K, m)));
+        const A l = std::log(sum_exp(buf, K, m));
+        if (std::isfinite(m)) {
+          log_softmax_from_acc<T, true>(buf, y, K, m, l);
+        } else {
+          log_softmax_from_acc<T, false>(buf, y, K, m, l);
+        }
       } else {
         const A m = row_max(x, K);
         const V vm(m), vl(std::log(sum_exp(x, K, m)));
@@ -823,7 +828,8 @@ void fwd_cols(const sm::FwdArgs& a) {
 // ------------------------------------------------------------------ backward
 
 // sum(dy * y) (softmax) or sum(dy) (log_softmax) over one row, in opmath,
-// with several independent accumulators so the adds do not form one chain.
+// with several independent accumulators so the adds do not form one chain
+// (dy and y loaded alike in ChunkIO's order, which a sum does not see).
 template <typename T, bool kLog>
 inline Acc<T> bwd_row_sum(const T* dy, const T* y, int64_t K) {
   using A = Acc<T>;
@@ -836,21 +842,21 @@ inline Acc<T> bwd_row_sum(const T* dy, const T* y, int64_t K) {
   int64_t i = 0;
   for (; i + 2 * W <= K; i += 2 * W) {
     for (int u = 0; u < 2; ++u) {
-      const auto g = IO::load(dy + i + u * W);
+      const auto g = ChunkIO<T>::load(dy + i + u * W);
       if constexpr (kLog) {
         for (int k = 0; k < P; ++k) acc[u * P + k] = acc[u * P + k] + g.v[k];
       } else {
-        const auto o = IO::load(y + i + u * W);
+        const auto o = ChunkIO<T>::load(y + i + u * W);
         for (int k = 0; k < P; ++k) acc[u * P + k] = at::vec::fmadd(g.v[k], o.v[k], acc[u * P + k]);
       }
     }
   }
   for (; i + W <= K; i += W) {
-    const auto g = IO::load(dy + i);
+    const auto g = ChunkIO<T>::load(dy + i);
     if constexpr (kLog) {
       for (int k = 0; k < P; ++k) acc[k] = acc[k] + g.v[k];
     } else {
-      const auto o = IO::load(y + i);
+      const auto o = ChunkIO<T>::load(y + i);
       for (int k = 0; k < P; ++k) acc[k] = at::vec::fmadd(g.v[k], o.v[k], acc[k]);
     }
   }
@@ -861,7 +867,8 @@ inline Acc<T> bwd_row_sum(const T* dy, const T* y, int64_t K) {
 }
 
 // Half types, one row: the sum in one pass over (dy, y) converted on the
-// fly, then the result in a second pass (the row is in cache by then).
+// fly, then the result in a second pass (the row is in cache by then); dy
+// and y load alike in ChunkIO's order, which its store puts back.
 template <typename T>
 void bwd_row_reduced(const T* dy, const T* y, T* dx, int64_t K, bool log_mode, float scale) {
   using IO = VecIO<T>;
@@ -871,12 +878,12 @@ void bwd_row_reduced(const T* dy, const T* y, T* dx, int64_t K, bool log_mode, f
   int64_t i;
   const V vs(s), vscale(scale);
   for (i = 0; i + W <= K; i += W) {
-    auto g = IO::load(dy + i);
-    const auto o = IO::load(y + i);
+    auto g = ChunkIO<T>::load(dy + i);
+    const auto o = ChunkIO<T>::load(y + i);
     for (int k = 0; k < 2; ++k) {
       g.v[k] = log_mode ? g.v[k] - o.v[k].exp() * vs : o.v[k] * (g.v[k] - vs) * vscale;
     }
-    IO::store(dx + i, g);
+    ChunkIO<T>::template store<false>(dx + i, g.v[0], g.v[1]);
   }
   for (; i < K; ++i) {
     const float g = static_cast<float>(dy[i]), o = static_cast<float>(y[i]);
