@@ -200,6 +200,25 @@ inline void log_softmax_from_acc(const float* src, T* dst, int64_t n, float m, f
   for (; i < n; ++i) dst[i] = static_cast<T>((src[i] - m) - l);
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX2 pieces of the exps below. horner: the polynomial with coefficients
+// c, highest degree first, at x. ldexp_or_zero: p * 2^k for integral k (a
+// float vector) by an add to p's exponent field, and 0 in the lanes where
+// keep is false (where that add would leave the normal floats, or k is
+// -inf: it converts to INT_MIN, which the shift makes 0).
+template <size_t N>
+inline __m256 horner(__m256 x, const float (&c)[N]) {
+  __m256 p = _mm256_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm256_fmadd_ps(x, p, _mm256_set1_ps(c[i]));
+  return p;
+}
+
+inline __m256 ldexp_or_zero(__m256 p, __m256 k, __m256 keep) {
+  const __m256i e = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
+  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e)), keep);
+}
+#endif
+
 // exp(v) for v in [-inf, 0], never NaN: exp(x - max) over a row whose max
 // is finite. AVX-512 float: 2^k p(r) with k = round(v log2 e), r = v - k ln2
 // (ln2 in two parts, so r is exact), p the degree-5 polynomial exp_u20 uses,
@@ -234,15 +253,9 @@ inline Vectorized<A> exp_nonpos(const Vectorized<A>& v) {
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v);
     r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(0.00828929059f), _mm256_set1_ps(0.0418978221f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.166676521f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.499991506f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.999999701f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.f));
-    // v = -inf: k = -inf converts to INT_MIN and p is NaN; the mask zeroes it.
-    const __m256i e = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
-    const __m256 y = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-    return _mm256_and_ps(y, _mm256_cmp_ps(k, _mm256_set1_ps(-125.f), _CMP_GE_OQ));
+    static constexpr float kPoly[] = {0.00828929059f, 0.0418978221f, 0.166676521f, 0.499991506f, 0.999999701f, 1.f};
+    // v = -inf: p is NaN and k = -inf; the mask zeroes that lane.
+    return ldexp_or_zero(horner(r, kPoly), k, _mm256_cmp_ps(k, _mm256_set1_ps(-125.f), _CMP_GE_OQ));
   }
 #endif
   return vexp(v);
@@ -263,24 +276,15 @@ template <typename T>
 inline Vectorized<float> exp2_nonpos_half(__m256 t) {
   const __m256 k = _mm256_floor_ps(t);
   const __m256 f = _mm256_sub_ps(t, k);
+  static constexpr float kBF16[] = {0.013534137f, 0.052011490f, 0.24144277f, 0.69300383f, 1.0000026f};
+  static constexpr float kF16[] = {0.0018775743f, 0.0089893453f, 0.055826314f, 0.24015361f, 0.69315308f, 1.f};
   __m256 p;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    p = _mm256_fmadd_ps(f, _mm256_set1_ps(0.013534137f), _mm256_set1_ps(0.052011490f));
-    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.24144277f));
-    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.69300383f));
-    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.0000026f));
+    p = horner(f, kBF16);
   } else {
-    p = _mm256_fmadd_ps(f, _mm256_set1_ps(0.0018775743f), _mm256_set1_ps(0.0089893453f));
-    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.055826314f));
-    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.24015361f));
-    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.69315308f));
-    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(1.f));
+    p = horner(f, kF16);
   }
-  // t = -inf gives k = -inf, which converts to INT_MIN and the shift
-  // makes 0; the mask below zeroes that lane anyway.
-  const __m256i e = _mm256_slli_epi32(_mm256_cvttps_epi32(k), 23);
-  const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-  return _mm256_and_ps(r, _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_GE_OQ));
+  return ldexp_or_zero(p, k, _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_GE_OQ));
 }
 #endif
 
