@@ -202,8 +202,8 @@ def test_every_cpu_isa_build(capability):
     # conversions (AVX2's half types: a polynomial exp and bfloat16 chunks
     # in an order of their own), picked the way torch picks its own
     # (ATEN_CPU_CAPABILITY caps the choice): every dtype, short rows in
-    # groups and alone, ragged tails, long rows, -inf and NaN rows, and the
-    # fused backward ops.
+    # groups and alone, ragged tails, long rows, -inf and NaN rows, the
+    # fused backward ops and both mask kinds.
     code = """
 import torch, opforge
 tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -226,6 +226,14 @@ for dtype in tol:
         expected = torch._log_softmax_backward_data(g.to(dtype).double(), y.double(), -1, torch.float64).to(dtype)
         scale = max(1.0, K / 1000)  # sum(dy) grows with the row
         torch.testing.assert_close(torch.ops.opforge._log_softmax_backward(g.to(dtype), y, -1), expected, atol=tol[dtype] * scale, rtol=tol[dtype])
+        # scaled_masked_softmax with a bool and an additive mask (no row fully masked)
+        xs = x.to(dtype)
+        keep = torch.rand(6, K) < 0.7
+        keep[:, 0] = True
+        for mask, add in ((~keep, torch.zeros(6, K).masked_fill(~keep, -float("inf"))), (torch.randn(6, K).to(dtype), None)):
+            add = mask.double() if add is None else add.double()
+            expected = torch.softmax(xs.double() * 0.37 + add, -1).to(dtype)
+            torch.testing.assert_close(opforge.scaled_masked_softmax(xs, mask, 0.37), expected, atol=tol[dtype], rtol=tol[dtype])
     if dtype in (torch.float16, torch.bfloat16):
         x = (torch.randn(64, 1000) * 3).to(dtype)
         assert (opforge.softmax(x, -1) == torch.softmax(x.double(), -1).to(dtype)).double().mean() >= 0.998, dtype

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -602,6 +603,49 @@ inline void stream_fence() {
 #endif
 }
 
+// scaled_masked_softmax: buf[j] = -inf where the bool mask is set. AVX2
+// float: eight mask bytes widened to a lane mask and blended (the
+// element-by-element select took as long as the rest of the row).
+template <typename A>
+inline void mask_out(const bool* mk, A* buf, int64_t n) {
+  constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+  const uint8_t* m8 = reinterpret_cast<const uint8_t*>(mk);  // a bool is one byte, 0 or 1
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) {
+    const __m256 ninf = _mm256_set1_ps(kNegInf);
+    for (; j + 8 <= n; j += 8) {
+      int64_t bytes;
+      std::memcpy(&bytes, m8 + j, 8);
+      const __m256i wide = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+      const __m256 set = _mm256_castsi256_ps(_mm256_cmpgt_epi32(wide, _mm256_setzero_si256()));
+      _mm256_storeu_ps(buf + j, _mm256_blendv_ps(_mm256_loadu_ps(buf + j), ninf, set));
+    }
+  }
+#endif
+  for (; j < n; ++j) buf[j] = m8[j] ? kNegInf : buf[j];
+}
+
+// scaled_masked_softmax: buf += an additive mask of T (converted a vector at
+// a time for the half types).
+template <typename T>
+inline void add_mask(const T* mk, Acc<T>* buf, int64_t n) {
+  using V = Vectorized<Acc<T>>;
+  if constexpr (kNeedsConvert<T>) {
+    using IO = VecIO<T>;
+    constexpr int64_t W = IO::kWidth;
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      const auto p = IO::load(mk + j);
+      (V::loadu(buf + j) + p.v[0]).store(buf + j);
+      (V::loadu(buf + j + V::size()) + p.v[1]).store(buf + j + V::size());
+    }
+    for (; j < n; ++j) buf[j] += static_cast<float>(mk[j]);
+  } else {
+    at::vec::map2([](V u, V w) { return u + w; }, buf, buf, mk, n);
+  }
+}
+
 // Rows [r0, r1) of softmax / scaled_masked_softmax. float: exp(x - max) is
 // written to y and scaled in place while the row is in cache. Half types and
 // masked rows: buf (K opmath values, cache-line aligned) holds exp(x - max),
@@ -630,15 +674,9 @@ void fwd_rows_range(const sm::FwdArgs& a, int64_t r0, int64_t r1, Acc<T>* buf, b
       if (a.mask != nullptr) {
         const int64_t moff = a.mask_rows(r);
         if (a.mask_is_bool) {
-          const bool* mk = static_cast<const bool*>(a.mask) + moff;
-          for (int64_t j = 0; j < valid; ++j) buf[j] = mk[j] ? -std::numeric_limits<A>::infinity() : buf[j];
+          mask_out(static_cast<const bool*>(a.mask) + moff, buf, valid);
         } else {
-          const T* mk = static_cast<const T*>(a.mask) + moff;
-          if constexpr (kNeedsConvert<T>) {
-            for (int64_t j = 0; j < valid; ++j) buf[j] += static_cast<A>(mk[j]);
-          } else {
-            at::vec::map2([](V u, V w) { return u + w; }, buf, buf, mk, valid);
-          }
+          add_mask(static_cast<const T*>(a.mask) + moff, buf, valid);
         }
       }
       const A m = row_max(buf, valid);
