@@ -14,20 +14,27 @@ DEV_PKGS ?= ninja pytest expecttest numpy matplotlib
 
 .PHONY: demo test build gpu-check bench-docs clean
 
+# pip's own output goes to a log: on success it is noise, on failure its tail is shown.
 $(STAMPS)/venv:
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q $(TORCH_PKGS) $(DEV_PKGS)
-	@mkdir -p $(STAMPS) && touch $@
+	@mkdir -p $(STAMPS)
+	@echo "opforge: creating $(VENV) and installing $(TORCH_PKGS) $(DEV_PKGS) (log in $(STAMPS)/venv.log)"
+	@{ $(PYTHON) -m venv $(VENV) \
+		&& $(PY) -m pip install -q --upgrade pip setuptools wheel \
+		&& $(PY) -m pip install -q $(TORCH_PKGS) $(DEV_PKGS); } > $(STAMPS)/venv.log 2>&1 \
+		|| { tail -n 30 $(STAMPS)/venv.log; exit 1; }
+	@touch $@
 
-# First build: an editable install (puts the opforge command on PATH);
-# later builds recompile only what changed.
-build: $(STAMPS)/venv
-	@if [ -f $(STAMPS)/installed ]; then \
-		$(PY) setup.py -q build_ext --inplace; \
-	else \
-		$(PY) -m pip install --no-build-isolation --no-deps -e . && touch $(STAMPS)/installed; \
-	fi
+# The package is installed once, editable and without kernels (puts the
+# opforge command in $(VENV)/bin); the kernels are then built in place by
+# tools/build.py, which keeps its objects in build/: later builds recompile
+# only what changed. CUDA kernels: OPFORGE_CUDA=1 (unset: only with a GPU).
+$(STAMPS)/installed: $(STAMPS)/venv
+	@OPFORGE_BUILD_EXT=0 $(PY) -m pip install -q --no-build-isolation --no-deps -e . > $(STAMPS)/install.log 2>&1 \
+		|| { tail -n 30 $(STAMPS)/install.log; exit 1; }
+	@touch $@
+
+build: $(STAMPS)/installed
+	@$(PY) tools/build.py
 
 demo: build
 	$(VENV)/bin/opforge demo
@@ -41,7 +48,7 @@ OUT ?= out
 gpu-check:
 	@mkdir -p $(OUT)
 	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-native} OPFORGE_CUDA=1 \
-		$(PYTHON) setup.py build_ext --inplace > $(OUT)/build.log 2>&1 || { tail -n 60 $(OUT)/build.log; exit 1; }
+		$(PYTHON) tools/build.py 2>&1 | tee $(OUT)/build.log | tail -n 60
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee $(OUT)/pytest-cuda.log | tail -n 30
 	PYTHONPATH=src $(PYTHON) -m opforge_cli bench --quick --device cuda 2>&1 | tee $(OUT)/demo.log
 

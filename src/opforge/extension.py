@@ -337,9 +337,12 @@ def setup_extension(src: SourceSet, module_name: str):
     # setuptools wants source paths relative to setup.py's folder.
     here = Path.cwd()
     sources = [os.path.relpath(p, here) for p in src.sources(decision.enabled)]
+    # Headers too: setuptools skips the build when no listed file is newer than the module.
+    depends = [os.path.relpath(p, here) for p in src.all_files()]
     return kind(
         module_name,
         sources,
+        depends=depends,
         include_dirs=src.all_include_dirs(decision.enabled),
         library_dirs=library_dirs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
