@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from opforge import cli, info
-from opforge.bench import harness, registry, report
+from opforge.bench import harness, machine, noise, registry, report
 
 
 def _tiny(x):
@@ -76,7 +76,8 @@ def test_tiny_run_table_json_markdown_plot(families, tmp_path, capsys):
     rows = [line for line in out.out.splitlines() if line.startswith("tiny ")]
     assert [r.split()[3] for r in rows] == ["fwd", "bwd", "full"]
     assert "device copy" in out.out
-    assert "done" in out.err  # the progress bar went to stderr
+    assert "% floor = floor time / opforge's time" in out.out  # the column is explained under the table
+    assert "[" not in out.err and "\r" not in out.err  # no progress bar when stderr is not a terminal
 
     data = json.loads(paths["json"].read_text())
     assert data["schema"] == report.SCHEMA
@@ -160,15 +161,28 @@ def test_add_relu_cases_are_registered():
     assert all(c.bytes_fwd > 0 and c.grad_inputs for c in cases)
 
 
-def test_progress_bar():
-    stream = io.StringIO()
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_shows_on_a_terminal_and_erases_itself():
+    stream = _Terminal()
     bar = harness.Progress(2, stream=stream)
     bar.step("first")
     bar.step("second")
     bar.close()
-    lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("[....") and "0/2" in lines[0] and "first" in lines[0]
-    assert lines[-1].startswith("[#####") and "2/2" in lines[-1]
+    frames = stream.getvalue().split("\r\033[K")
+    assert frames[0] == "" and "\n" not in stream.getvalue()  # one line, rewritten in place
+    assert frames[1].startswith("[....") and "0/2" in frames[1] and "first" in frames[1]
+    assert frames[2].startswith("[####") and "1/2" in frames[2] and "second" in frames[2]
+    assert frames[3] == ""  # erased at the end: only the table stays on the screen
+
+    piped = io.StringIO()  # a pipe or a log file: no bar at all
+    bar = harness.Progress(2, stream=piped)
+    bar.step("first")
+    bar.close()
+    assert piped.getvalue() == ""
 
 
 def test_last_level_cache_size():
@@ -252,13 +266,109 @@ def test_broken_family_is_reported_not_fatal(families):
     assert report.to_json(run)["problems"] == run.problems
 
 
-def test_busy_machine_warning():
-    def run_with(load):
-        env = {"load_avg_1m": load, "cpu_cores": 2, "torch_threads": 2}
-        return harness.Run(harness.Settings(device="cpu"), env, 10.0, 1 << 20, [])
+def _fake_run(*, load_start=None, load_end=None, env=None, p20=1.0, p80=1.1, pct_floor=50.0, nbytes=8 << 20,
+              device="cpu", cache=32 << 20, copy_ms=None, status="ok"):
+    """A one-row run with the given load averages, eager timing spread and opforge % of floor."""
+    def prov(name, p20_ms, p80_ms, pct, st="ok"):
+        return harness.ProviderResult(name, st, 1.0, p20_ms, p80_ms, None, 10.0, pct)
 
-    assert report.busy_warning(run_with(2.5)) is None  # the run's own two threads
-    assert "busy" in report.busy_warning(run_with(6.0))
+    res = harness.CaseResult("add_relu", "add_relu", "N=2^20", "float32", "fwd", nbytes, 0.0, 4, {
+        "opforge": prov("opforge", 1.0, 1.1, pct_floor),
+        "eager": prov("slow_add", p20, p80, 20.0, status),
+    }, copy_ms=copy_ms)
+    environment = {"cpu": "X", "cpu_cores": 2, "usable_cores": 2, "cpu_isa": "AVX2", "opforge": "0", "torch": "0",
+                   "cuda": None, "gpu": "G", "date_utc": "-", "git_commit": None,
+                   "load_avg_1m_start": load_start, "load_avg_1m": load_end, **(env or {})}
+    return harness.Run(harness.Settings(device=device), environment, 20.0, cache, [res])
+
+
+@pytest.mark.parametrize("start, end, env, expect", [
+    (1.0, 1.9, None, None),  # within the two cores
+    (2.0, 2.0, None, None),  # at the core count is not above it
+    (2.5, 1.0, None, "load average 2.5 at the start of the run, above its 2 cores"),
+    (0.5, 3.1, None, "load average 3.1 at the end of the run, above its 2 cores"),
+    (4.0, 3.9, None, "load average 4.0 at the start and 3.9 at the end"),
+    (1.5, None, {"usable_cores": 1, "cpu_cores": 8}, "1.5 at the start of the run, above its 1 cores"),  # affinity
+    (None, 2.5, {"usable_cores": None}, "2.5 at the end"),  # a run saved before usable_cores: all the cores
+    (None, None, None, None),  # no load average on this platform
+])
+def test_busy_warning_from_load_average(start, end, env, expect):
+    run = _fake_run(load_start=start, load_end=end, env=env)
+    warning = noise.busy_warning(run)
+    text, md = report.table(run), report.markdown(run)
+    if expect is None:
+        assert warning is None and "busy" not in text and "busy" not in md
+        return
+    assert expect in warning and warning.startswith("warning: busy machine") and "\n" not in warning
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    assert lines[1] == warning  # before the table, under the summary line
+    assert lines.index(warning, header) > header  # and again in the notes below it
+    assert md.count(warning) == 2
+
+
+@pytest.mark.parametrize("p20, p80, status, warned", [
+    (1.0, 1.4, "ok", False),
+    (1.0, 1.5, "ok", False),  # the limit itself passes
+    (1.0, 1.6, "ok", True),
+    (0.5, 2.0, "ok", True),
+    (1.0, None, "WRONG", False),  # a provider that was not timed has no spread
+])
+def test_busy_warning_from_timing_spread(p20, p80, status, warned):
+    run = _fake_run(p20=p20, p80=p80, status=status)
+    warning = noise.busy_warning(run)
+    if not warned:
+        assert warning is None
+        assert not noise.spreads(run)
+        return
+    assert f"p80/p20 of the timings above 1.5 in 1 of 1 rows (worst {p80 / p20:.1f}, add_relu N=2^20 float32 fwd eager)" in warning
+    assert "load average" not in warning  # the load was fine
+    assert report.table(run).count(warning) == 2
+
+
+def test_a_run_records_the_load_at_its_start_and_end(families, monkeypatch):
+    monkeypatch.setattr(harness, "load_average", lambda: 5.0)  # a build was running when it began
+    monkeypatch.setattr(machine, "load_average", lambda: 0.5)
+    monkeypatch.setattr(machine, "usable_cores", lambda: 2)
+    run = harness.run(harness.Settings(device="cpu", quick=True, modes=("fwd",), ops=("_test_tiny",)), progress=False)
+    env = run.environment
+    assert env["load_avg_1m_start"] == 5.0 and env["load_avg_1m"] == 0.5 and env["usable_cores"] == 2
+    assert "load average 5.0 at the start of the run" in noise.busy_warning(run)
+    saved = report.from_json(report.to_json(run))
+    assert noise.busy_warning(saved) == noise.busy_warning(run)  # --from-json warns alike
+
+
+@pytest.mark.parametrize("pct, shown", [(50.0, "50%"), (100.0, "100%"), (100.4, "100%"), (100.6, "101%"), (194.0, "194%")])
+def test_above_the_floor_note_appears_exactly_above_100(pct, shown):
+    run = _fake_run(pct_floor=pct)
+    assert report.rows(run)[1][0][12] == shown
+    notes = noise.floor_notes(run)
+    assert notes[0].startswith("% floor = floor time / opforge's time") and "20.0 GB/s" in notes[0]
+    over = [n for n in notes if n.startswith("above 100% of the floor")]
+    assert bool(over) == (int(shown[:-1]) > 100)
+    if over:
+        assert f"add_relu N=2^20 float32 fwd {shown}" in over[0]
+        assert "8 MiB per call, which fits in the 32 MiB last-level cache" in over[0]
+        assert over[0] in report.table(run)
+
+
+def test_above_the_floor_reason_follows_the_case():
+    big = noise.floor_notes(_fake_run(pct_floor=120.0, nbytes=96 << 20))  # bigger than the cache
+    (over,) = [n for n in big if n.startswith("above 100%")]
+    assert "fits in" not in over and "write-allocate" in over
+    gpu = noise.floor_notes(_fake_run(pct_floor=120.0, nbytes=96 << 20, device="cuda"))
+    assert "faster than the copy measured at the start" in gpu[-1]
+    compute_bound = _fake_run(pct_floor=None)  # TFLOP/s rows have no floor: nothing to explain
+    assert noise.floor_notes(compute_bound) == [] and "% floor =" not in report.table(compute_bound)
+
+
+@pytest.mark.parametrize("copy_ms, noted", [(0.8, False), (1.0, False), (1.3, True)])
+def test_above_a_same_size_copy_is_explained(copy_ms, noted):
+    run = _fake_run(copy_ms=copy_ms, device="cuda")  # opforge's median is 1.0 ms
+    note = [n for n in noise.floor_notes(run) if n.startswith("above 100% of copy")]
+    assert bool(note) == noted
+    if noted:
+        assert "add_relu N=2^20 float32 fwd 130%" in note[0]
 
 
 def test_softmax_plan_candidates():
@@ -286,9 +396,9 @@ def test_softmax_plan_candidates():
 
 def test_source_commit_can_be_named(monkeypatch):
     monkeypatch.setenv("OPFORGE_SOURCE_COMMIT", "0123abc")
-    assert report.git_commit() == "0123abc"
+    assert machine.git_commit() == "0123abc"
     monkeypatch.setenv("OPFORGE_SOURCE_COMMIT", "")
-    named = report.git_commit()
+    named = machine.git_commit()
     assert named is None or named != "0123abc"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 def run(device: str | None = None) -> int:
-    from .cli import main
+    """Runs the quick benchmark and prints its table; the exit status of ``opforge bench``."""
+    from .bench.cli_args import demo_args, run_bench
 
-    argv = ["bench", "--quick"] + (["--device", device] if device else [])
-    return main(argv)
+    return run_bench(demo_args(device))

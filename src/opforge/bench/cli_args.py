@@ -1,4 +1,8 @@
-"""The ``opforge bench`` and ``opforge demo`` subcommands (argument wiring)."""
+"""The ``opforge bench`` and ``opforge demo`` subcommands (argument wiring).
+
+It imports nothing of the ``opforge`` command that adds these parsers, so
+the command can import it without a cycle.
+"""
 
 from __future__ import annotations
 
@@ -42,6 +46,15 @@ def add_parsers(sub) -> None:
         description="Time every registered op case (or those named) against eager PyTorch, torch.compile "
         "and peers; correctness is checked first. See docs/bench.md.",
     )
+    _add_bench_arguments(p)
+    p.set_defaults(func=run_bench)
+
+    p = sub.add_parser("demo", help="the quick benchmark on this machine (same as `opforge bench --quick`)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
+    p.set_defaults(func=run_demo)
+
+
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ops", nargs="*", metavar="OPS", help="op families or op names (default: all registered)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", type=_dtypes, action="extend", default=None,
@@ -57,11 +70,6 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
     p.add_argument("--from-json", metavar="PATH",
                    help="time nothing: print and write (--markdown, --plot) the results saved in PATH by --json")
-    p.set_defaults(func=run_bench)
-
-    p = sub.add_parser("demo", help="the quick benchmark on this machine (same as `opforge bench --quick`)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available")
-    p.set_defaults(func=run_demo)
 
 
 def run_bench(args) -> int:
@@ -117,7 +125,12 @@ def _write_outputs(run, args) -> int:
     return 1 if bad else 0
 
 
-def run_demo(args) -> int:
-    from .. import demo
+def demo_args(device: str | None = None) -> argparse.Namespace:
+    """The arguments of ``opforge bench --quick [--device DEVICE]``, which ``opforge demo`` runs."""
+    p = argparse.ArgumentParser(prog="opforge bench")
+    _add_bench_arguments(p)
+    return p.parse_args(["--quick"] + (["--device", device] if device else []))
 
-    return demo.run(device=args.device)
+
+def run_demo(args) -> int:
+    return run_bench(demo_args(args.device))

@@ -37,22 +37,23 @@ Modes:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from . import timing
-from .registry import BenchCase, families
+from .case import BenchCase
+from .machine import environment, last_level_cache_bytes, load_average, steady_cpu_allocator
+from .registry import families
+from .results import MODES, PROVIDERS, CaseResult, ProviderResult, Run, Settings
 
-MODES = ("fwd", "bwd", "full")
-PROVIDERS = ("opforge", "eager", "compiled", "peer")
+__all__ = ["MODES", "PROVIDERS", "TOLERANCES", "CaseResult", "ProviderResult", "Run", "Settings", "Progress",
+           "collect_cases", "input_set_count", "known_names", "last_level_cache_bytes", "run", "run_case"]
 
 # Tolerances of the correctness check against eager, per dtype (rtol, atol).
 TOLERANCES = {
@@ -64,100 +65,6 @@ TOLERANCES = {
 
 # Cap on the number of input sets a case cycles through.
 MAX_INPUT_SETS = 32
-
-
-@dataclasses.dataclass
-class Settings:
-    device: str = "cpu"
-    quick: bool = False
-    modes: tuple[str, ...] = MODES
-    dtypes: tuple[torch.dtype, ...] | None = None  # None: every dtype a case declares
-    ops: tuple[str, ...] = ()  # family or op names; () = all
-    compile: bool = True  # time torch.compile(eager)
-
-
-@dataclasses.dataclass
-class ProviderResult:
-    name: str  # display name: "opforge", "slow_add", "torch.compile(slow_add)", "torchvision.nms"
-    status: str  # "ok", "WRONG", "error", "n/a"
-    median_ms: float | None = None
-    p20_ms: float | None = None
-    p80_ms: float | None = None
-    peak_mem_bytes: int | None = None  # None: not measured (CPU)
-    gbps: float | None = None
-    pct_floor: float | None = None
-    tflops: float | None = None
-    detail: str | None = None  # error or mismatch text
-    host_ms: float | None = None  # GPU: host time to issue one call (not in median_ms)
-
-
-@dataclasses.dataclass
-class CaseResult:
-    family: str
-    op: str
-    shape: str
-    dtype: str
-    mode: str
-    bytes: int  # bytes this mode must move (0: not memory-bound)
-    flops: float
-    input_sets: int
-    providers: dict[str, ProviderResult]
-    copy_ms: float | None = None  # a device copy of the same bytes (memory-bound cases)
-
-    @property
-    def pct_copy(self) -> float | None:
-        """opforge's time as % of a copy of the same bytes (100%: as fast as that copy)."""
-        ours = self.providers.get("opforge")
-        if self.copy_ms is None or ours is None or ours.median_ms is None:
-            return None
-        return 100.0 * self.copy_ms / ours.median_ms
-
-    def speedup(self, other: str) -> float | None:
-        ours, base = self.providers.get("opforge"), self.providers.get(other)
-        if ours is None or base is None or ours.median_ms is None or base.median_ms is None:
-            return None
-        return base.median_ms / ours.median_ms
-
-    @property
-    def wrong(self) -> bool:
-        return self.providers["opforge"].status == "WRONG"
-
-
-@dataclasses.dataclass
-class Run:
-    settings: Settings
-    environment: dict
-    copy_bandwidth_gbps: float
-    cache_bytes: int
-    results: list[CaseResult]
-    seconds: float = 0.0
-    problems: list[str] = dataclasses.field(default_factory=list)  # families left out, and why
-
-
-# ---------------------------------------------------------------------------
-# Machine facts
-
-
-def last_level_cache_bytes(device: str) -> int:
-    """L2 on the GPU; the largest CPU cache in /sys (64 MiB if unreadable).
-
-    ``OPFORGE_BENCH_CACHE_BYTES`` overrides it (e.g. a VM that under-reports its cache).
-    """
-    if os.environ.get("OPFORGE_BENCH_CACHE_BYTES"):
-        return int(os.environ["OPFORGE_BENCH_CACHE_BYTES"])
-    if device == "cuda":
-        size = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
-        return int(size) or (60 << 20)
-    best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        value = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-        best = max(best, value)
-    return best or (64 << 20)
 
 
 # ---------------------------------------------------------------------------
@@ -520,13 +427,15 @@ def _record_error(res: ProviderResult, exc: BaseException) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr (a line per step when not a terminal)."""
+    """A one-line progress bar on stderr, shown only on a terminal and erased when done.
+
+    Piped or logged output gets no bar at all: the table is the whole record.
+    """
 
     def __init__(self, total: int, stream=None, enabled: bool = True):
         self.total, self.done = max(total, 1), 0
         self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.enabled = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.start = time.monotonic()
 
     def step(self, text: str) -> None:
@@ -536,57 +445,24 @@ class Progress:
         filled = int(width * self.done / self.total)
         bar = "#" * filled + "." * (width - filled)
         line = f"[{bar}] {self.done}/{self.total} {time.monotonic() - self.start:5.0f}s {text}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line[:150])
-        else:
-            self.stream.write(line + "\n")
+        self.stream.write("\r\033[K" + line[:150])
         self.stream.flush()
         self.done += 1
 
     def close(self) -> None:
-        if not self.enabled:
-            return
-        line = f"[{'#' * 24}] {self.total}/{self.total} {time.monotonic() - self.start:5.0f}s done"
-        self.stream.write(("\r\033[K" + line + "\n") if self.tty else line + "\n")
-        self.stream.flush()
-
-
-def steady_cpu_allocator() -> bool:
-    """Keep freed CPU memory in the process heap for the rest of the run.
-
-    glibc returns large blocks (32 MiB and up, and smaller ones until its
-    adaptive threshold has risen) to the OS on free, so the next allocation
-    of that size page-faults its way through fresh zeroed pages: ~10 ms for
-    32 MiB here, more than the kernel being timed. Whether a provider pays it
-    depends on what ran before it, which made the comparison unfair. With
-    mmap and trimming off, every provider reuses heap memory for its outputs,
-    as a process in a steady training or inference loop does. Linux/glibc
-    only; returns whether it applied.
-    """
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    ok = libc.mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1
-    ok &= libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1) == 1
-    return bool(ok)
+        if self.enabled:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
 
 
 def run(settings: Settings, progress: bool = True) -> Run:
     """Runs every selected case in every selected mode."""
-    from .report import environment
-
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA GPU is visible to torch")
     if settings.device == "cpu":
         steady_cpu_allocator()
     began = time.monotonic()
+    load_at_start = load_average()  # before this run's own threads add to it
     problems: list[str] = []
     cases = collect_cases(settings, problems)
     work = [(f, c, m) for f, c in cases for m in _modes_for(c, settings)]
@@ -603,7 +479,7 @@ def run(settings: Settings, progress: bool = True) -> Run:
     bar.close()
     return Run(
         settings=settings,
-        environment=environment(settings.device),
+        environment=environment(settings.device, load_at_start),
         copy_bandwidth_gbps=bandwidth,
         cache_bytes=cache_bytes,
         results=results,

@@ -3,136 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
 from . import timing
-from .harness import PROVIDERS, CaseResult, ProviderResult, Run, Settings
+from .machine import cpu_model as _cpu_model  # noqa: F401  (read by `opforge info`)
+from .noise import busy_warning, floor_notes
+from .results import PROVIDERS, CaseResult, ProviderResult, Run, Settings
 
 SCHEMA = "opforge-bench/1"
-
-
-# ---------------------------------------------------------------------------
-# Environment
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str | None:
-    """The source tree's commit (with ``-dirty`` if it has changes), if it is a git checkout.
-
-    ``OPFORGE_SOURCE_COMMIT`` names it instead, for a tree copied to another
-    machine without (or with stale) git metadata.
-    """
-    named = os.environ.get("OPFORGE_SOURCE_COMMIT", "").strip()
-    if named:
-        return named
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("-dirty" if dirty else "") if commit else None
-
-
-def cpu_isa() -> str:
-    """The instruction set opforge's CPU kernels run with (as reported by the library)."""
-    from .. import _loader
-
-    try:
-        isa = _loader.build_info().get("cpu_isa")
-    except Exception:  # noqa: BLE001  (kernels not loaded)
-        isa = None
-    return isa or torch.backends.cpu.get_cpu_capability()
-
-
-def environment(device: str) -> dict:
-    import opforge
-
-    env = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "device": device,
-        "opforge": opforge.__version__,
-        "git_commit": git_commit(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_isa": cpu_isa(),
-        "load_avg_1m": _load_average(),
-        "gpu": None,
-    }
-    try:
-        import torchvision
-
-        env["torchvision"] = torchvision.__version__
-    except Exception:  # noqa: BLE001
-        env["torchvision"] = None
-    if device == "cuda":
-        p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        env["gpu"] = p.name
-        env["gpu_sm"] = f"sm_{p.major}{p.minor}"
-        env["gpu_sms"] = p.multi_processor_count
-        env["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
-        env["gpu_driver"] = _driver_version()
-        env["gpu_l2_bytes"] = getattr(p, "L2_cache_size", None)
-    return env
-
-
-def _load_average() -> float | None:
-    """The 1-minute load average at the end of the run (how busy the machine was)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
-
-
-def busy_warning(run: Run) -> str | None:
-    """A warning when other work loaded the CPU during a CPU run.
-
-    The run itself accounts for up to its torch threads of the load average;
-    more than half the cores beyond that is someone else's work.
-    """
-    env = run.environment
-    load, cores, own = env.get("load_avg_1m"), env.get("cpu_cores"), env.get("torch_threads") or 1
-    if run.settings.device == "cpu" and load is not None and cores and load - own > cores / 2:
-        return (f"warning: the machine was busy (load average {load:.1f} on {cores} cores, this run "
-                f"uses {own} threads); CPU timings are unreliable, rerun on a quiet machine")
-    return None
-
-
-def _driver_version() -> str | None:
-    """The NVIDIA driver's version from nvidia-smi, if it is on the PATH."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
-        ).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out[0] if out else None
 
 
 # ---------------------------------------------------------------------------
@@ -192,12 +74,21 @@ def rows(run: Run) -> tuple[list[str], list[list[str]]]:
 
 
 def _notes(run: Run) -> list[str]:
-    notes = list(run.problems)
+    """The busy-machine warning (also above the table), problems, failures, and what % floor means."""
+    warning = busy_warning(run)
+    notes = ([warning] if warning else []) + list(run.problems)
     for r in run.results:
         for key, p in r.providers.items():
             if p.status != "ok":
                 notes.append(f"{r.op} {r.shape} {r.dtype} {r.mode}: {key} ({p.name}) {p.status}: {p.detail}")
-    return notes
+    return notes + floor_notes(run)
+
+
+def _legend(run: Run) -> str:
+    copy = any(r.pct_copy is not None for r in run.results)
+    return ("times: median ms; vs X = X's time / opforge's (above 1.00x opforge is faster)"
+            + ("; % of copy = the time of a device copy of the same bytes / opforge's" if copy else "")
+            + f"; {run.seconds:.0f} s in all")
 
 
 def _summary_line(run: Run) -> str:
@@ -226,11 +117,7 @@ def table(run: Run) -> str:
     lines += [fmt(b) for b in body]
     if not body:
         lines.append("(no cases selected)")
-    notes = _notes(run)
-    if notes:
-        lines += ["", *notes]
-    lines.append(f"\ntimes: median ms; speedup = provider time / opforge time; % floor = opforge GB/s / device-copy GB/s; "
-                 f"% of copy = time of a copy of the same bytes / opforge time. {run.seconds:.0f} s.")
+    lines += ["", *_notes(run), _legend(run)]
     return "\n".join(lines)
 
 
@@ -243,11 +130,8 @@ def markdown(run: Run) -> str:
         _summary_line(run) + ".",
         "",
         *([f"**{busy_warning(run)}**", ""] if busy_warning(run) else []),
-        f"Commit `{env.get('git_commit')}`, measured {env['date_utc']}, {run.seconds:.0f} s in all. "
-        "Times are medians in milliseconds; p20/p80 are in the JSON. Speedup = the other provider's time / opforge's. "
-        "% floor = opforge's GB/s over the device-copy bandwidth measured in the same run; "
-        "% of copy = the time of a device copy moving the same bytes / opforge's time (the practical ceiling at that size). "
-        "See docs/bench.md for the method.",
+        f"Commit `{env.get('git_commit')}`, measured {env['date_utc']}. "
+        f"{_legend(run)[0].upper()}{_legend(run)[1:]}; p20/p80 are in the JSON. See docs/bench.md for the method.",
         "",
         "| " + " | ".join(header) + " |",
         "| " + " | ".join("---" if i < 4 else "---:" for i in range(len(header))) + " |",
@@ -386,5 +270,5 @@ def write_plot(run: Run, path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-__all__ = ["PROVIDERS", "environment", "table", "markdown", "to_json", "from_json", "read_json", "write_json",
+__all__ = ["PROVIDERS", "busy_warning", "table", "markdown", "to_json", "from_json", "read_json", "write_json",
            "write_markdown", "write_plot"]

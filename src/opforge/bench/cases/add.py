@@ -6,7 +6,7 @@ import torch
 
 import opforge
 
-from ..bench.registry import BenchCase, register
+from ..case import BenchCase, register
 
 
 def slow_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

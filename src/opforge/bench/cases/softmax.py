@@ -13,7 +13,7 @@ import torch
 
 import opforge
 
-from ..bench.registry import BenchCase, register
+from ..case import BenchCase, register
 
 GPU_SHAPES = [(8192, 1024), (8192, 8192), (4096, 32768), (65536, 128), (512, 262144)]
 CPU_SHAPES = [(1024, 8192), (65536, 128)]

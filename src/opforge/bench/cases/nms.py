@@ -23,7 +23,7 @@ try:  # the peer; without it there is nothing to compare against
 except ImportError:  # pragma: no cover
     torchvision = None
 
-from ..bench.registry import BenchCase, register
+from ..case import BenchCase, register
 
 
 def make_boxes(n: int, device: str, dtype=torch.float32, classes: int = 0) -> list:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import opforge
 
-from ..bench.registry import BenchCase, register
+from ..case import BenchCase, register
 
 
 def _eager(groups: int, relu: bool, padding: int = 1, stride: int = 1):

@@ -1,0 +1,111 @@
+"""How far a run's numbers can be trusted: a busy machine, unsteady timings,
+and what "% floor" means, above 100% included.
+
+Pure functions of a :class:`~opforge.bench.results.Run` (a saved one too), so
+the table, the Markdown and ``--from-json`` say the same thing.
+"""
+
+from __future__ import annotations
+
+from .results import CaseResult, Run
+
+# A case's p80/p20 above this means its samples disagree by more than the
+# differences the table reports (on a quiet machine they stay within ~1.2).
+SPREAD_LIMIT = 1.5
+
+# How many rows a note names before it says "and N more".
+_NAMED = 3
+
+
+def _row(r: CaseResult) -> str:
+    return f"{r.op} {r.shape} {r.dtype} {r.mode}"
+
+
+def _more(items: list[str]) -> str:
+    shown = ", ".join(items[:_NAMED])
+    return shown + (f" and {len(items) - _NAMED} more" if len(items) > _NAMED else "")
+
+
+def busy_loads(env: dict) -> list[str]:
+    """The load averages (at the run's start, at its end) above the usable cores, in words.
+
+    A 1-minute load above the cores the run may use means runnable tasks
+    waited for a core, this run's threads among them.
+    """
+    cores = env.get("usable_cores") or env.get("cpu_cores")
+    if not cores:
+        return []
+    out = []
+    for key, when in (("load_avg_1m_start", "start"), ("load_avg_1m", "end")):
+        load = env.get(key)
+        if load is not None and load > cores:
+            out.append(f"{load:.1f} at the {when}")
+    return out
+
+
+def spreads(run: Run) -> list[tuple[float, CaseResult, str]]:
+    """(p80/p20, case, provider) for every timed provider above SPREAD_LIMIT, worst first."""
+    out = []
+    for r in run.results:
+        for key, p in r.providers.items():
+            if p.status == "ok" and p.p20_ms and p.p80_ms and p.p80_ms / p.p20_ms > SPREAD_LIMIT:
+                out.append((p.p80_ms / p.p20_ms, r, key))
+    return sorted(out, key=lambda t: -t[0])
+
+
+def busy_warning(run: Run) -> str | None:
+    """One line when the machine was busy (load above its cores) or timings were unsteady; else None."""
+    loads, spread = busy_loads(run.environment), spreads(run)
+    if not loads and not spread:
+        return None
+    reasons = []
+    if loads:
+        cores = run.environment.get("usable_cores") or run.environment.get("cpu_cores")
+        reasons.append(f"load average {' and '.join(loads)} of the run, above its {cores} cores")
+    if spread:
+        worst, r, key = spread[0]
+        rows = len({id(c) for _, c, _ in spread})
+        reasons.append(f"p80/p20 of the timings above {SPREAD_LIMIT:g} in {rows} of {len(run.results)} rows "
+                       f"(worst {worst:.1f}, {_row(r)} {key})")
+    return f"warning: busy machine: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
+
+
+def _shown_pct(value: float | None) -> int | None:
+    """The percentage as the table prints it (rounded to a whole number)."""
+    return None if value is None else int(f"{value:.0f}")
+
+
+def floor_notes(run: Run) -> list[str]:
+    """What "% floor" is, and why rows that show more than 100% of it can.
+
+    The reason note appears exactly when a row's printed % floor or % of copy
+    exceeds 100.
+    """
+    memory_bound = [r for r in run.results if r.providers["opforge"].pct_floor is not None]
+    if not memory_bound:
+        return []
+    notes = [f"% floor = floor time / opforge's time; the floor moves the fewest bytes the op must (inputs read once, "
+             f"outputs written once) at the device-copy bandwidth measured at the start ({run.copy_bandwidth_gbps:.1f} GB/s)"]
+    over = [r for r in memory_bound if _shown_pct(r.providers["opforge"].pct_floor) > 100]
+    if over:
+        named = [f"{_row(r)} {_shown_pct(r.providers['opforge'].pct_floor)}%" for r in over]
+        cached = [r for r in over if r.bytes <= run.cache_bytes]
+        reason = []
+        if cached:
+            reason.append(f"{'all' if len(cached) == len(over) else len(cached)} of these move at most "
+                          f"{max(r.bytes for r in cached) / 2**20:.0f} MiB per call, which fits in the "
+                          f"{run.cache_bytes >> 20} MiB last-level cache: the inputs are rotated past it, but "
+                          f"each output lands in memory just freed and still cached, so a call moves data faster "
+                          f"than the memory bandwidth the floor assumes")
+        if run.settings.device == "cpu":
+            reason.append("on the CPU the floor's copy also reads its destination before writing it "
+                          "(write-allocate), traffic the floor does not count, so the floor is low")
+        if not reason:
+            reason.append("the op ran faster than the copy measured at the start of the run")
+        notes.append(f"above 100% of the floor ({_more(named)}): {'; '.join(reason)}")
+    over_copy = [r for r in run.results if r.pct_copy is not None and _shown_pct(r.pct_copy) > 100]
+    if over_copy:
+        named = [f"{_row(r)} {_shown_pct(r.pct_copy)}%" for r in over_copy]
+        notes.append(f"above 100% of copy ({_more(named)}): opforge moved its bytes in less time than torch's copy "
+                     f"kernel moves as many at this size, so that copy is not a hard limit there")
+    return notes
