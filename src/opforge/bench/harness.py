@@ -37,6 +37,7 @@ Modes:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -459,6 +460,9 @@ def run(settings: Settings, progress: bool = True) -> Run:
     """Runs every selected case in every selected mode."""
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA GPU is visible to torch")
+    # torch.compile's CPU backend imports cpp_extension, which warns about
+    # CUDA_HOME on a machine without a GPU: build advice, not a bench result.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     if settings.device == "cpu":
         steady_cpu_allocator()
     began = time.monotonic()
