@@ -16,7 +16,7 @@
 
 #include <vector>
 
-#include "softmax_common.h"
+#include "softmax.h"
 
 namespace opforge::softmax {
 

@@ -27,7 +27,7 @@
 #include <opforge/cpu_loops.h>
 #include <opforge/dispatch.h>
 
-#include "softmax_common.h"
+#include "softmax.h"
 
 namespace opforge::cpu::CPU_CAPABILITY {
 namespace {

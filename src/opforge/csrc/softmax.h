@@ -1,6 +1,6 @@
-// Shared by the softmax family's CPU (cpu/softmax*.cpp) and CUDA
-// (cuda/softmax.cu) kernels: the argument blocks the entry points fill in,
-// and the row -> mask offset map of scaled_masked_softmax.
+// The softmax family's shared header, included by its CPU (cpu/softmax*)
+// and CUDA (cuda/softmax/) kernels: the argument blocks the entry points
+// fill in, and the row -> mask offset map of scaled_masked_softmax.
 //
 // Layout: the input is contiguous and viewed as (outer, K, inner); the
 // reduction runs over K. inner == 1 is the inner-most dim (rows contiguous);
