@@ -84,8 +84,8 @@ def floor_notes(run: Run) -> list[str]:
     memory_bound = [r for r in run.results if r.providers["opforge"].pct_floor is not None]
     if not memory_bound:
         return []
-    notes = [f"% floor = floor time / opforge's time; the floor moves the fewest bytes the op must (inputs read once, "
-             f"outputs written once) at the device-copy bandwidth measured at the start ({run.copy_bandwidth_gbps:.1f} GB/s)"]
+    notes = [f"% floor = floor time / opforge's time, the floor being the fewest bytes the op must move (inputs read "
+             f"once, outputs written once) at the device-copy bandwidth measured at the start ({run.copy_bandwidth_gbps:.1f} GB/s)"]
     over = [r for r in memory_bound if _shown_pct(r.providers["opforge"].pct_floor) > 100]
     if over:
         named = [f"{_row(r)} {_shown_pct(r.providers['opforge'].pct_floor)}%" for r in over]
