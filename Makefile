@@ -11,8 +11,10 @@ STAMPS := .make
 # The CUDA build of torch: lets the CUDA kernels compile even without a GPU.
 TORCH_PKGS ?= torch==2.14.1 torchvision==0.29.1
 DEV_PKGS ?= ninja pytest expecttest numpy matplotlib
+# Formatters at fixed versions: `make lint` must judge the same on every machine.
+LINT_PKGS ?= ruff==0.17.6 clang-format==23.1.5
 
-.PHONY: demo test build gpu-check bench-docs clean
+.PHONY: demo test build lint format gpu-check bench-docs clean
 
 # pip's own output goes to a log: on success it is noise, on failure its tail is shown.
 $(STAMPS)/venv:
@@ -20,7 +22,7 @@ $(STAMPS)/venv:
 	@echo "opforge: creating $(VENV) and installing $(TORCH_PKGS) $(DEV_PKGS) (log in $(STAMPS)/venv.log)"
 	@{ $(PYTHON) -m venv $(VENV) \
 		&& $(PY) -m pip install -q --upgrade pip setuptools wheel \
-		&& $(PY) -m pip install -q $(TORCH_PKGS) $(DEV_PKGS); } > $(STAMPS)/venv.log 2>&1 \
+		&& $(PY) -m pip install -q $(TORCH_PKGS) $(DEV_PKGS) $(LINT_PKGS); } > $(STAMPS)/venv.log 2>&1 \
 		|| { tail -n 30 $(STAMPS)/venv.log; exit 1; }
 	@touch $@
 
@@ -41,6 +43,20 @@ demo: build
 
 test: build
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# C++/CUDA sources checked by clang-format (the scaffold's .tmpl files are not C++ until rendered).
+CXX_SOURCES = $(shell git ls-files 'src/*.cpp' 'src/*.cu' 'src/*.h' 'src/*.cuh' 'tests/*.cpp')
+
+lint: $(STAMPS)/venv
+	@$(VENV)/bin/ruff check --quiet src tests tools
+	@$(VENV)/bin/ruff format --check --quiet src tests tools
+	@$(VENV)/bin/clang-format --dry-run -Werror $(CXX_SOURCES)
+	@echo "opforge: lint clean (ruff check, ruff format, clang-format)"
+
+format: $(STAMPS)/venv
+	$(VENV)/bin/ruff check --fix --quiet src tests tools
+	$(VENV)/bin/ruff format --quiet src tests tools
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 # On a GPU machine (python3 with torch and a GPU): build for its arch with
 # every core, run the CUDA tests, then the demo. Logs go to $OUT if set.
