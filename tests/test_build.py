@@ -74,9 +74,9 @@ def test_cache_clear_cli(jit_cache, tmp_path):
     copy = tmp_path / "ext"
     shutil.copytree(cache, copy)
     env = {**env, "TORCH_EXTENSIONS_DIR": str(copy)}
-    proc = run_python("from opforge_cli import main; main(['cache', 'path'])", env=env)
+    proc = run_python("from opforge.cli import main; main(['cache', 'path'])", env=env)
     assert proc.returncode == 0 and str(copy) in proc.stdout, proc.stderr
-    proc = run_python("from opforge_cli import main; main(['cache', 'clear'])", env=env)
+    proc = run_python("from opforge.cli import main; main(['cache', 'clear'])", env=env)
     assert proc.returncode == 0 and "removed" in proc.stdout, proc.stderr
     assert not list(copy.rglob("opforge_C*.so"))
 
@@ -100,13 +100,69 @@ def test_jit_build_error_shows_compiler_error(tmp_path):
     assert "first error:" in message and "broken.cpp:1" in message and "undefined_name" in message
 
 
-def test_missing_compiled_module_is_an_import_error(tmp_path):
-    # A copy of the package without its compiled module, imported first on the path.
-    shutil.copytree(PKG, tmp_path / "opforge", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    proc = run_python("import opforge", env={"PYTHONPATH": str(tmp_path), "OPFORGE_JIT": "0"}, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def no_kernels(tmp_path_factory):
+    """A copy of the package without its compiled module, imported first on the path."""
+    root = tmp_path_factory.mktemp("no_kernels")
+    shutil.copytree(PKG, root / "opforge", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    return root, {"PYTHONPATH": str(root), "OPFORGE_JIT": "0"}
+
+
+@pytest.mark.parametrize("code", [
+    "import torch, opforge",  # torch first: import opforge loads the kernels at once
+    "import opforge; opforge.add_relu",  # otherwise the first use of an op does
+    "from opforge import add_relu",
+    "from opforge import nn",
+    "import opforge.nn",
+    "import opforge; opforge.ops",
+    "from opforge.ops.softmax import softmax",
+])
+def test_missing_compiled_module_is_an_import_error(no_kernels, code):
+    root, env = no_kernels
+    proc = run_python(code, env=env, cwd=root)
     assert proc.returncode != 0
-    assert "ImportError: opforge's compiled kernels (opforge._C) could not be loaded" in proc.stderr
-    assert "pip install --no-build-isolation -e ." in proc.stderr and "OPFORGE_JIT=1" in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: opforge's compiled kernels (opforge._C) could not be loaded: No module named"), proc.stderr
+    assert "pip install --no-build-isolation -e ." in last and "OPFORGE_JIT=1" in last
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["cache", "path"], "opforge_C"),
+    (["doctor", "--no-kernels"], "[ OK ] compiler"),
+    (["new", "tknok", "--dir", "proj"], "created"),
+    (["ptxas", "--log", "empty.log"], "empty.log: 0 kernels"),
+])
+def test_tooling_commands_run_without_kernels(no_kernels, tmp_path, argv, expect):
+    root, env = no_kernels
+    (tmp_path / "empty.log").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "opforge", *argv], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, **env})
+    assert "ImportError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert expect in proc.stdout, proc.stdout + proc.stderr
+    assert str(root / "opforge") in subprocess.run(  # the copy without kernels is the one that ran
+        [sys.executable, "-c", "import opforge; print(opforge.__file__)"], capture_output=True, text=True,
+        cwd=tmp_path, env={**os.environ, **env}).stdout
+
+
+def test_import_opforge_alone_imports_no_torch_and_binds_plain_attributes():
+    proc = run_python(
+        """
+        import sys, opforge
+        print("torch" in sys.modules, "opforge._C" in sys.modules)
+        import torch
+        y = opforge.add_relu(torch.ones(3), -2 * torch.ones(3))  # the first use loads the kernels
+        print("opforge._C" in sys.modules, "add_relu" in vars(opforge), y.tolist())
+        print(torch.ops.opforge.add_relu.default(torch.ones(2), torch.ones(2)).tolist(), opforge.nn.AddReLU.__name__)
+        """
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["False False", "True True [0.0, 0.0, 0.0]", "[2.0, 2.0] AddReLU"]
+
+
+def test_import_after_torch_registers_the_ops_at_once():
+    proc = run_python("import torch, opforge\nprint(torch.ops.opforge.softmax.default(torch.zeros(1, 2)).tolist())")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[[0.5, 0.5]]"
 
 
 def test_kernels_for_another_torch_are_refused():
@@ -139,7 +195,7 @@ def test_arch_list_default_and_override(monkeypatch):
 
 
 def test_info_cli():
-    proc = run_python("from opforge_cli import main; main(['info'])")
+    proc = run_python("from opforge.cli import main; main(['info'])")
     assert proc.returncode == 0, proc.stderr
     for key in ("opforge", "torch", "CUDA kernels", "ops", "add_relu", "JIT cache", "GPU"):
         assert key in proc.stdout

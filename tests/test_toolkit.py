@@ -20,7 +20,7 @@ KINDS = {"elementwise": "add_relu", "rowwise": "softmax"}
 
 
 def project_env(ext_dir, **extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPFORGE_", "_OPFORGE", "TKEW", "TKRW"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPFORGE_", "TKEW", "TKRW"))}
     env["PYTHONPATH"] = os.pathsep.join([str(SRC)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["TORCH_EXTENSIONS_DIR"] = str(ext_dir)
     env.update(extra)
@@ -34,11 +34,44 @@ def run(cmd, cwd, env, timeout=900):
 # --------------------------------------------------------------------------- opforge new
 
 
-@pytest.mark.parametrize("bad", ["1abc", "my-op", "class", "opforge", "torch", "torch_ops", "aten", "os", "MyOp", ""])
-def test_new_rejects_bad_names(bad, tmp_path):
-    with pytest.raises(scaffold.ScaffoldError, match="NAME"):
+@pytest.mark.parametrize("bad, reason", [
+    ("1abc", "must be a Python identifier"),
+    ("my-op", "must be a Python identifier"),
+    ("", "must be a Python identifier"),
+    ("café", "ASCII"),
+    ("class", "not a Python keyword"),
+    ("tests", "the project's own tests/ folder"),
+    ("build", "ignored by the project's .gitignore"),
+    ("json", "standard library"),
+    ("os", "standard library"),
+    ("numpy", r"importable module \(.*numpy.*installing the project would overwrite it"),  # torch imports numpy
+    ("torch", r"importable module \(.*torch"),
+    ("opforge", r"importable module \(.*opforge"),
+    ("aten", "one of torch's op namespaces"),
+    ("prim", "one of torch's op namespaces"),
+    ("load_library", "an attribute of torch.ops"),
+    ("int", r"C\+\+ keyword"),
+    ("at", r"ATen.s C\+\+ namespace"),
+    ("std", r"standard library's C\+\+ namespace"),
+])
+def test_new_rejects_names_that_clash_and_says_why(bad, reason, tmp_path):
+    with pytest.raises(scaffold.ScaffoldError, match=reason) as info:
         scaffold.create(bad, tmp_path / "p")
+    assert "NAME" in str(info.value)
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("good", ["torch_ops", "torchy", "opforge_extra", "MyOp", "bench", "cpu", "_fused"])
+def test_new_accepts_names_that_clash_with_nothing(good):
+    scaffold.validate_name(good)  # raises if refused
+
+
+def test_new_refuses_numpy_for_the_true_reason():
+    with pytest.raises(scaffold.ScaffoldError) as info:
+        scaffold.validate_name("numpy")
+    message = str(info.value)
+    assert "would import the new package instead of it" in message
+    assert "op namespace" not in message and "clashes with opforge" not in message
 
 
 def test_new_refuses_non_empty_dir(tmp_path):
@@ -80,13 +113,31 @@ def test_new_renders_a_complete_project(kind, tmp_path):
 
 def test_new_cli(tmp_path):
     env = project_env(tmp_path / "ext")
-    proc = run([sys.executable, "-m", "opforge_cli", "new", "tkcli", "--dir", str(tmp_path / "p"), "--kind", "rowwise"],
+    proc = run([sys.executable, "-m", "opforge", "new", "tkcli", "--dir", str(tmp_path / "p"), "--kind", "rowwise"],
                tmp_path, env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "created" in proc.stdout and "python -m pytest -q tests" in proc.stdout
+    assert "created" in proc.stdout and f"{sys.executable} -m pytest -q tests" in proc.stdout
     assert (tmp_path / "p" / "tkcli" / "ops.py").is_file()
-    proc = run([sys.executable, "-m", "opforge_cli", "new", "tkcli", "--dir", str(tmp_path / "p")], tmp_path, env, timeout=120)
+    proc = run([sys.executable, "-m", "opforge", "new", "tkcli", "--dir", str(tmp_path / "p")], tmp_path, env, timeout=120)
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
+    proc = run([sys.executable, "-m", "opforge", "new", "numpy", "--dir", str(tmp_path / "q")], tmp_path, env, timeout=120)
+    assert proc.returncode == 2 and "opforge new: NAME 'numpy' is already an importable module" in proc.stderr
+
+
+def test_new_next_steps_name_a_python_that_has_torch_and_opforge(tmp_path):
+    dest = scaffold.create("tksteps", tmp_path / "p")
+    text = scaffold.next_steps(dest, "tksteps")
+    commands = [ln.split("#")[0].strip() for ln in text.splitlines() if ln.startswith("  ")]
+    assert commands[0] == f"cd {dest}"
+    assert len(commands) == 4 and all(sys.executable in c for c in commands[1:]), text
+    # Each command starts with the interpreter (and PYTHONPATH, if this Python finds opforge only
+    # through it); run it from a fresh shell's environment, in the project folder.
+    runner = commands[1].split(" -m pytest")[0]
+    fresh = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/")}
+    proc = subprocess.run(f"{runner} -c 'import torch, pytest, opforge.extension; print(torch.__version__)'", shell=True,
+                          cwd=dest, env=fresh, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == __import__("torch").__version__
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +200,7 @@ def test_generated_project_module_and_kernels_source(generated):
 
 
 def test_doctor_on_this_machine():
-    proc = subprocess.run([sys.executable, "-m", "opforge_cli", "doctor"], capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "-m", "opforge", "doctor"], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(SRC)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
@@ -159,6 +210,9 @@ def test_doctor_on_this_machine():
     assert "[ OK ] compiler" in out and "C++20 supported" in out
     assert "[ OK ] opforge kernels" in out
     assert re.search(r"(\d+ failed, \d+ warning\(s\)|all checks passed)$", out.strip())
+    # Readable text: no Python reprs of dicts or exceptions.
+    assert "{" not in out and "}" not in out and "': '" not in out and not re.search(r"\w+Error\(", out), out
+    assert re.search(r"^\[ OK \] opforge kernels +installed, built for torch \d+\.\d+: CPU kernels", out, re.M), out
 
 
 def test_doctor_fails_with_fixes(monkeypatch):

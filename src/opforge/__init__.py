@@ -7,33 +7,62 @@ Every op is a real torch op in the ``opforge`` namespace
     import torch, opforge
     y = opforge.add_relu(x, bias)        # relu(x + bias) in one kernel
 
-Importing opforge loads its compiled kernels (the installed ``opforge._C``,
-or a JIT build with ``OPFORGE_JIT=1``) and raises ImportError if they are
-missing or were built for another torch.
+The compiled kernels (the installed ``opforge._C``, or a JIT build with
+``OPFORGE_JIT=1``) are loaded by ``import opforge`` when torch is already
+imported, as above, and otherwise by the first use of an op, ``opforge.nn``
+or ``opforge.ops``. Either raises ImportError if they are missing or were
+built for another torch. The build tools (``opforge.extension``, the
+``opforge`` command's ``cache``, ``doctor``, ``new`` and ``ptxas``) need no
+kernels and do not import torch until they use it.
 """
 
-import os as _os
-
-import torch as _torch
+import importlib as _importlib
+import sys as _sys
 
 __version__ = "0.1.0"
 
-from . import extension  # noqa: E402  (build helpers; no kernels needed)
+from . import extension  # noqa: E402  (build helpers; no kernels, no torch at import)
 from .extension import include_paths  # noqa: E402
 
-if _os.environ.get("_OPFORGE_TOOLING_ONLY") != "1":
-    # The CLI's build-tool commands (cache, doctor, new) must work when the
-    # kernels are absent or broken; everything else needs them loaded.
+# Names bound by _load_ops; looking any of them up loads the kernels.
+_NEEDS_KERNELS = frozenset({
+    "add", "add_relu", "softmax", "log_softmax", "scaled_masked_softmax", "nms", "batched_nms",
+    "nms_padded", "conv2d_3x3", "nn", "ops",
+})
+
+
+def _load_ops() -> None:
+    """Load the kernels, then bind every op as a plain module attribute (no
+    per-call cost: ``__getattr__`` is never consulted for them again)."""
     from . import _loader
 
     _loader.load()
+    from .ops.add import add, add_relu
+    from .ops.conv import conv2d_3x3
+    from .ops.nms import batched_nms, nms, nms_padded
+    from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
 
-    from .ops.add import add, add_relu  # noqa: E402
-    from .ops.conv import conv2d_3x3  # noqa: E402
-    from .ops.nms import batched_nms, nms, nms_padded  # noqa: E402
-    from .ops.softmax import log_softmax, scaled_masked_softmax, softmax  # noqa: E402
+    # Not `from . import nn`: that asks this module's __getattr__ for `nn` first.
+    nn = _importlib.import_module(f"{__name__}.nn")
+    ops = _importlib.import_module(f"{__name__}.ops")
 
-    from . import nn  # noqa: E402
+    globals().update(
+        add=add, add_relu=add_relu, conv2d_3x3=conv2d_3x3, batched_nms=batched_nms, nms=nms,
+        nms_padded=nms_padded, log_softmax=log_softmax, scaled_masked_softmax=scaled_masked_softmax,
+        softmax=softmax, nn=nn, ops=ops,
+    )
+
+
+def __getattr__(name: str):
+    if name in _NEEDS_KERNELS:
+        _load_ops()
+        return globals()[name]
+    raise AttributeError(f"module 'opforge' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "add",
@@ -50,3 +79,8 @@ __all__ = [
     "extension",
     "__version__",
 ]
+
+if "torch" in _sys.modules:
+    # torch's import is paid already, so the kernels cost little more, and
+    # `torch.ops.opforge.*` works straight after `import torch, opforge`.
+    _load_ops()

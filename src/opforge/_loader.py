@@ -6,6 +6,7 @@ opforge never carries on without its kernels.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -29,6 +30,14 @@ def build_info() -> dict[str, str]:
     return info
 
 
+def describe_build(info: dict[str, str] | None = None) -> str:
+    """One line of text on the loaded kernels: where from and what they were built with."""
+    info = build_info() if info is None else info
+    cuda = f"CUDA kernels for CUDA {info['cuda']} ({info['archs']})" if info.get("cuda", "none") != "none" else "no CUDA kernels"
+    cpu = f"CPU kernels up to {info['cpu_isa']}" if info.get("cpu_isa") else "CPU kernels"
+    return f"{source or 'not loaded'}, built for torch {info['torch']}: {cpu}, {cuda}"
+
+
 def _torch_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
@@ -43,7 +52,9 @@ def load() -> None:
         source = "jit:" + jit.load()
     else:
         try:
-            from . import _C  # noqa: F401  (importing runs the op registrations)
+            # Importing it runs the op registrations. import_module, not `from . import _C`:
+            # that misreports a missing file as a circular import while opforge initialises.
+            importlib.import_module(f"{__package__}._C")
         except (ImportError, OSError) as exc:
             raise ImportError(
                 f"opforge's compiled kernels (opforge._C) could not be loaded: {exc}. {_FIX}"

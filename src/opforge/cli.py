@@ -1,6 +1,9 @@
 """The ``opforge`` command: ``info``, ``bench``, ``demo``, ``cache``, ``new``, ``doctor``, ``ptxas``.
 
-Run it as ``opforge ...`` (installed) or ``python -m opforge_cli ...``.
+Run it as ``opforge ...`` (installed) or ``python -m opforge ...``. Importing
+this module imports neither torch nor opforge's kernels: ``cache``, ``doctor``,
+``new`` and ``ptxas`` work when the kernels are missing or broken (that is when
+they are needed most), and the other commands load them when they run.
 """
 
 from __future__ import annotations
@@ -86,8 +89,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# torch.utils.benchmark and torch.compile import torch.utils.cpp_extension;
+# imported first through opforge, it takes opforge's CUDA_HOME and stays quiet.
+_IMPORTS_CPP_EXTENSION = {"bench", "demo"}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in _IMPORTS_CPP_EXTENSION:
+        from ._cpp_extension import import_cpp_extension
+
+        import_cpp_extension()
     return args.func(args)
 
 

@@ -6,8 +6,9 @@ JIT cache (free disk, stale locks), whether opforge's own kernels load, and
 whether a GPU is visible. Each check prints OK, WARN or FAIL; every WARN and
 FAIL says what to do. The exit code is 1 when anything FAILed.
 
-It imports nothing that needs opforge's compiled kernels: the kernel check
-runs in a subprocess.
+It imports nothing that needs opforge's compiled kernels (the kernel check
+runs in a subprocess), and torch only for the checks that need it: the first
+lines print at once, each line as soon as its check is done.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import extension
+from . import _cpp_extension, extension
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 
@@ -39,10 +40,12 @@ def _run(cmd: list[str], stdin: str | None = None, timeout: float = 60) -> subpr
 
 
 def _torch_minor() -> tuple[int, int]:
-    import torch
-
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    major, minor = _cpp_extension.torch_version()["__version__"].split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+def _torch_cuda() -> str | None:
+    return _cpp_extension.torch_version()["cuda"]
 
 
 def required_cxx_standard(torch_version: tuple[int, int] | None = None) -> str:
@@ -54,10 +57,7 @@ def required_cxx_standard(torch_version: tuple[int, int] | None = None) -> str:
     """
     if torch_version is not None:
         return "c++20" if torch_version >= (2, 10) else "c++17"
-    from torch.utils import cpp_extension
-
-    source = Path(cpp_extension.__file__).read_text()
-    return "c++20" if "-std=c++20" in source else "c++17"
+    return "c++20" if "-std=c++20" in _cpp_extension.cpp_extension_source() else "c++17"
 
 
 def check_compiler() -> Check:
@@ -111,27 +111,23 @@ def compare_cuda(nvcc: str | None, torch_cuda: str | None) -> tuple[str, str, st
 
 
 def check_nvcc() -> Check:
-    import torch
-
     nvcc = extension.find_nvcc()
     version = nvcc_version(nvcc) if nvcc else None
     if nvcc and version is None:
         return Check("nvcc", FAIL, f"{nvcc} does not report a version", "check the CUDA installation (run nvcc --version)")
-    status, detail, fix = compare_cuda(version, torch.version.cuda)
+    status, detail, fix = compare_cuda(version, _torch_cuda())
     if nvcc:
         detail += f" [{nvcc}]"
     return Check("nvcc", status, detail, fix)
 
 
 def check_cuda_home() -> Check:
-    import torch
-
     env = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if env and not Path(env).is_dir():
         return Check("CUDA_HOME", FAIL, f"CUDA_HOME={env} does not exist", "unset it or point it at the CUDA toolkit (the folder holding bin/nvcc)")
     home = extension.cuda_home()
     if home is None:
-        status = OK if torch.version.cuda is None else WARN
+        status = OK if _torch_cuda() is None else WARN
         return Check("CUDA_HOME", status, "not set and no CUDA toolkit found",
                      "" if status == OK else "export CUDA_HOME=/usr/local/cuda (the folder holding bin/nvcc)")
     return Check("CUDA_HOME", OK, f"{home}" + ("" if env else " (from nvcc's location)"))
@@ -151,14 +147,12 @@ def find_cuda_runtime_header() -> str | None:
 
 
 def check_cuda_headers() -> Check:
-    import torch
-
-    if torch.version.cuda is None or extension.find_nvcc() is None:
+    if _torch_cuda() is None or extension.find_nvcc() is None:
         return Check("CUDA headers", OK, "not needed (no CUDA build here)")
     found = find_cuda_runtime_header()
     if found is None:
         return Check("CUDA headers", FAIL, "cuda_runtime.h not found in CUDA_HOME/include nor in the nvidia wheels",
-                     f"install the CUDA {torch.version.cuda} toolkit headers (cuda-cudart-dev) or `pip install nvidia-cuda-runtime`")
+                     f"install the CUDA {_torch_cuda()} toolkit headers (cuda-cudart-dev) or `pip install nvidia-cuda-runtime`")
     return Check("CUDA headers", OK, found)
 
 
@@ -188,9 +182,7 @@ def check_abi() -> Check:
 
 
 def jit_cache_root() -> Path:
-    from torch.utils import cpp_extension
-
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension.default_build_root())
 
 
 def check_disk(root: Path | None = None, warn_gib: float = 2.0, fail_gib: float = 0.5) -> Check:
@@ -232,6 +224,7 @@ def stale_locks(root: Path | None = None) -> list[Path]:
     root = root or jit_cache_root()
     if not root.is_dir():
         return []
+    _cpp_extension.import_cpp_extension()  # imported here first: without torch's CUDA_HOME guess
     if extension._torch_uses_kernel_lock():
         return []  # a leftover file is an flock the OS released: it never blocks
     return [lock for lock in sorted(root.glob("*/lock")) if not _lock_is_held(lock)]
@@ -248,17 +241,16 @@ def check_jit_cache() -> Check:
 
 
 def check_kernels(timeout: float = 600) -> Check:
-    env = {k: v for k, v in os.environ.items() if k != "_OPFORGE_TOOLING_ONLY"}
     code = (
         "import torch, opforge\n"
         "from opforge import _loader\n"
         "a, b = torch.randn(100), torch.randn(100)\n"
         "assert torch.equal(opforge.add_relu(a, b), torch.relu(a + b)), 'wrong result'\n"
-        "print(_loader.source, _loader.build_info())\n"
+        "print('LOADED', _loader.describe_build())\n"
         "print('CUDA_GAP' if torch.cuda.is_available() and _loader.build_info()['cuda'] == 'none' else '')\n"
     )
     try:
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return Check("opforge kernels", FAIL, f"loading took over {timeout:.0f} s (a JIT build waiting on a lock?)",
                      "run `opforge cache clear` and retry; `OPFORGE_JIT=1 python -c 'import opforge'` shows the build")
@@ -269,7 +261,7 @@ def check_kernels(timeout: float = 600) -> Check:
                      "build them: `pip install --no-build-isolation -e .` in the opforge source tree, "
                      "or set OPFORGE_JIT=1 to compile them at import")
     lines = proc.stdout.strip().splitlines()
-    info = next((ln for ln in lines if ln.startswith(("installed", "jit:"))), lines[0] if lines else "")
+    info = next((ln.removeprefix("LOADED ") for ln in lines if ln.startswith("LOADED ")), lines[0] if lines else "")
     if "CUDA_GAP" in lines:
         return Check("opforge kernels", WARN, f"loaded without CUDA kernels although a GPU is visible: {info}",
                      "rebuild with nvcc available: `pip install --no-build-isolation -e .` (OPFORGE_CUDA=1 makes a missing nvcc an error)")
@@ -290,38 +282,60 @@ def check_gpu() -> Check:
     return Check("GPU", OK, f"{torch.cuda.device_count()} visible: {', '.join(names)}")
 
 
-def run_checks(check_kernels_too: bool = True) -> list[Check]:
-    checks = [check_compiler, check_nvcc, check_cuda_home, check_cuda_headers, check_ninja, check_abi,
-              check_disk, check_jit_cache]
-    if check_kernels_too:
-        checks.append(check_kernels)
-    checks.append(check_gpu)
-    out = []
-    for fn in checks:
+# Every check in the order it runs; the names align the report's columns.
+CHECKS = ("compiler", "nvcc", "cuda_home", "cuda_headers", "ninja", "abi", "disk", "jit_cache", "kernels", "gpu")
+_WIDTH = len("opforge kernels")  # the longest check name
+
+
+def iter_checks(check_kernels_too: bool = True):
+    """Runs the checks one by one, yielding each result as soon as it is known."""
+    for key in CHECKS:
+        if key == "kernels" and not check_kernels_too:
+            continue
+        fn = globals()[f"check_{key}"]  # looked up at run time: tests replace single checks
         try:
-            out.append(fn())
+            yield fn()
         except Exception as exc:  # a broken check is itself a finding
-            out.append(Check(fn.__name__.removeprefix("check_"), FAIL, f"the check itself failed: {exc!r}",
-                             "report this; the rest of the checks still ran"))
-    return out
+            yield Check(key, FAIL, f"the check itself failed: {type(exc).__name__}: {exc}",
+                        "report this; the rest of the checks still ran")
+
+
+def run_checks(check_kernels_too: bool = True) -> list[Check]:
+    return list(iter_checks(check_kernels_too))
+
+
+def header() -> str:
+    """The report's first line; it imports no torch, so it prints at once."""
+    from . import __version__
+
+    torch = _cpp_extension.torch_version()
+    return (f"opforge doctor: opforge {__version__}, torch {torch['__version__']} (CUDA {torch['cuda'] or 'none'}), "
+            f"python {sys.version.split()[0]}")
+
+
+def format_check(c: Check, width: int = _WIDTH) -> list[str]:
+    lines = [f"[{c.status:^4}] {c.name:<{width}}  {c.detail}"]
+    if c.fix and c.status != OK:
+        lines.append(f"{'':7}{'':<{width}}  fix: {c.fix}")
+    return lines
+
+
+def summary(checks: list[Check]) -> str:
+    fails = sum(c.status == FAIL for c in checks)
+    warns = sum(c.status == WARN for c in checks)
+    return f"{fails} failed, {warns} warning(s)" if fails or warns else "all checks passed"
 
 
 def format_report(checks: list[Check]) -> str:
-    import torch
-
-    lines = [f"opforge doctor: torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), python {sys.version.split()[0]}"]
-    width = max(len(c.name) for c in checks)
-    for c in checks:
-        lines.append(f"[{c.status:^4}] {c.name:<{width}}  {c.detail}")
-        if c.fix and c.status != OK:
-            lines.append(f"{'':7}{'':<{width}}  fix: {c.fix}")
-    fails = sum(c.status == FAIL for c in checks)
-    warns = sum(c.status == WARN for c in checks)
-    lines.append(f"{fails} failed, {warns} warning(s)" if fails or warns else "all checks passed")
-    return "\n".join(lines)
+    width = max([_WIDTH] + [len(c.name) for c in checks])
+    return "\n".join([header()] + [ln for c in checks for ln in format_check(c, width)] + [summary(checks)])
 
 
 def main(check_kernels: bool = True) -> int:
-    checks = run_checks(check_kernels)
-    print(format_report(checks))
+    print(header(), flush=True)
+    checks = []
+    for check in iter_checks(check_kernels):
+        checks.append(check)
+        print("\n".join(format_check(check)), flush=True)
+    print(summary(checks), flush=True)
     return 1 if any(c.status == FAIL for c in checks) else 0

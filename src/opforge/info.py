@@ -53,6 +53,7 @@ def report() -> str:
     from . import _loader, jit
     from .bench.report import _cpu_model
 
+    _loader.load()  # every line below but python's needs the kernels; a missing build is an ImportError
     built = _loader.build_info()
     isa = built.get("cpu_isa") or torch.backends.cpu.get_cpu_capability()
     lines = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from . import extension
+from . import _cpp_extension, extension
 from ._build import SOURCES
 
 _loaded: str | None = None
@@ -29,13 +29,15 @@ def load(verbose: bool = False) -> str:
     """
     global _loaded
     if _loaded is None:
+        _cpp_extension.import_cpp_extension()  # before jit_load imports it: CUDA_HOME is opforge's, not torch's guess
         _loaded = extension.jit_load(SOURCES, verbose=verbose)
     return _loaded
 
 
 def cache_dir() -> Path:
-    """The folder the JIT build uses."""
-    return extension.jit_build_directory(SOURCES.name)
+    """The folder the JIT build uses (``extension.jit_build_directory``'s answer,
+    computed without importing torch and without creating it)."""
+    return _cpp_extension.build_directory(SOURCES.name)
 
 
 def clear_cache() -> Path | None:

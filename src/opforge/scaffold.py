@@ -13,16 +13,30 @@ import dataclasses
 import importlib.util
 import keyword
 import re
+import shlex
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
-# Namespaces and modules a project must not shadow or collide with.
-RESERVED = {
-    "opforge", "opforge_cli", "torch", "torchvision", "torchaudio", "aten", "prim", "prims", "c10", "at",
-    "quantized", "triton", "numpy", "test", "tests", "setup", "build", "inductor", "mkldnn", "cuda", "cpu",
-}
+# C++20 keywords and alternative tokens: NAME is also the project's C++
+# namespace and TORCH_LIBRARY name, so none of these compiles.
+CXX_KEYWORDS = frozenset("""
+    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t
+    class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
+    decltype default delete do double dynamic_cast else enum explicit export extern false float for friend
+    goto if inline int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private
+    protected public register reinterpret_cast requires return short signed sizeof static static_assert
+    static_cast struct switch template this thread_local throw true try typedef typeid typename union
+    unsigned using virtual void volatile wchar_t while xor xor_eq
+""".split())
+
+# C++ namespaces of the headers the project compiles against: `namespace at`
+# in the project would add its functions to ATen's (at::softmax exists).
+CXX_NAMESPACES = {"std": "the C++ standard library's", "at": "ATen's", "c10": "c10's", "torch": "torch's",
+                  "caffe2": "caffe2's (in torch's headers)", "opforge": "opforge's C++ helpers'"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +87,44 @@ class ScaffoldError(ValueError):
     pass
 
 
+def _project_folders() -> dict[str, str]:
+    """Top-level folders of every generated project that a package NAME/ would collide with."""
+    folders = {}
+    for kind in KINDS:
+        for rel in _files(kind):
+            if len(rel.parts) > 1 and rel.parts[0] != "__name__":
+                folders[rel.parts[0]] = f"the project's own {rel.parts[0]}/ folder; the package would be written into it"
+    for line in (TEMPLATES / "common" / "gitignore.tmpl").read_text().split():
+        if re.fullmatch(r"\w+/", line):
+            folders[line[:-1]] = f"ignored by the project's .gitignore ({line}): the package would never be committed"
+    return folders
+
+
+def _torch_ops_names() -> tuple[set[str], set[str]]:
+    """(namespaces torch already has ops in, torch.ops' own attributes): the
+    dispatcher's and TorchScript's (e.g. prim) namespaces; load_library, higher_order..."""
+    import torch
+
+    namespaces = {op.split("::", 1)[0] for op in torch._C._dispatch_get_all_op_names()}
+    namespaces |= {schema.name.split("::", 1)[0] for schema in torch._C._jit_get_all_schemas()}
+    # A bare _OpNamespace in vars() is only a cached lookup of a name, not a use of it.
+    attributes = {k for k, v in vars(torch.ops).items() if not isinstance(v, torch._ops._OpNamespace)}
+    attributes |= {a for a in dir(type(torch.ops)) if not a.startswith("__")}
+    return namespaces, attributes
+
+
 def validate_name(name: str) -> None:
-    """A project name must be a lowercase Python identifier that shadows nothing."""
-    if not name.isidentifier() or keyword.iskeyword(name):
-        raise ScaffoldError(f"NAME must be a Python identifier (letters, digits, _), got {name!r}")
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-        raise ScaffoldError(f"NAME must start with a lowercase letter and use only a-z, 0-9 and _, got {name!r}")
-    if name in RESERVED or name.startswith(("torch", "opforge")):
-        raise ScaffoldError(f"NAME {name!r} clashes with opforge, torch or one of torch's op namespaces; pick another")
+    """NAME is the package, its C++ namespace and torch.ops.NAME: refuse a name
+    that is not valid as all three or that would break something; say which."""
+    if not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
+        raise ScaffoldError(f"NAME must be a Python identifier made of ASCII letters, digits and _ and not a Python "
+                            f"keyword (it names the package, its C++ namespace and torch.ops.NAME), got {name!r}")
+    folder = _project_folders().get(name)
+    if folder:
+        raise ScaffoldError(f"NAME {name!r} is {folder}; pick another")
+    shadowed = "scripts and tests run in the project folder (python bench.py, python -m pytest) would import the new package instead of it"
+    if name in sys.stdlib_module_names:
+        raise ScaffoldError(f"NAME {name!r} is a module of Python's standard library: {shadowed}; pick another")
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
@@ -88,7 +132,23 @@ def validate_name(name: str) -> None:
     # A plain folder of that name (a namespace package, e.g. an empty
     # ./NAME made for the project) shadows nothing.
     if spec is not None and spec.origin not in (None, "namespace"):
-        raise ScaffoldError(f"NAME {name!r} is already an importable module here; the new package would shadow it")
+        installed = {"site-packages", "dist-packages"} & set(Path(spec.origin).parts)
+        overwrite = ", and installing the project would overwrite it" if installed else ""
+        raise ScaffoldError(f"NAME {name!r} is already an importable module ({spec.origin}): {shadowed}{overwrite}; "
+                            f"pick another")
+    namespaces, attributes = _torch_ops_names()
+    if name in namespaces:
+        raise ScaffoldError(f"NAME {name!r} is one of torch's op namespaces (torch.ops.{name} holds torch's ops): "
+                            f"TORCH_LIBRARY({name}) fails to load where torch declared it, and an op of the same name "
+                            f"collides anywhere; pick another")
+    if name in attributes:
+        raise ScaffoldError(f"NAME {name!r} is an attribute of torch.ops (torch.ops.{name}), so torch.ops.{name}.<op> "
+                            f"would never reach the project's ops; pick another")
+    if name in CXX_KEYWORDS:
+        raise ScaffoldError(f"NAME {name!r} is a C++ keyword, and NAME is also the project's C++ namespace; pick another")
+    if name in CXX_NAMESPACES:
+        raise ScaffoldError(f"NAME {name!r} is {CXX_NAMESPACES[name]} C++ namespace: the project's C++ code would "
+                            f"add to it and collide with its functions; pick another")
 
 
 def _context(name: str, kind: Kind) -> dict[str, str]:
@@ -147,13 +207,33 @@ def create(name: str, directory: str | Path | None = None, kind: str = "elementw
     return dest
 
 
+def _python_command() -> str:
+    """This Python (the one with torch and opforge) as a shell command; with a
+    PYTHONPATH prefix when it finds opforge only through $PYTHONPATH."""
+    import opforge
+
+    python = shlex.quote(sys.executable)
+    probe = "import importlib.util as u; s = u.find_spec('opforge'); print(s.origin if s else '')"
+    try:  # -E: as a fresh shell would run it, without PYTHON* variables
+        found = subprocess.run([sys.executable, "-E", "-c", probe], capture_output=True, text=True, timeout=60,
+                               cwd=Path(opforge.__file__).anchor).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        found = ""
+    if found and Path(found).resolve() == Path(opforge.__file__).resolve():
+        return python
+    return f"PYTHONPATH={shlex.quote(str(Path(opforge.__file__).resolve().parent.parent))} {python}"
+
+
 def next_steps(dest: Path, name: str) -> str:
+    """What to run next, each command with the full path of this Python: a bare
+    `python` in a fresh shell is often another one, without torch."""
+    python = _python_command()
     return (
         f"created {dest}\n"
-        f"next:\n"
-        f"  cd {dest}\n"
-        f"  python -m pytest -q tests      # JIT-builds {name} on first import, then runs its tests\n"
-        f"  python bench.py --quick        # ours vs eager vs torch.compile\n"
-        f"  pip install --no-build-isolation .   # installed build (CUDA kernels where nvcc is found)\n"
+        f"next (with {sys.executable}, the Python that has torch and opforge; a plain `python` may not):\n"
+        f"  cd {shlex.quote(str(dest))}\n"
+        f"  {python} -m pytest -q tests      # JIT-builds {name} on first import, then runs its tests\n"
+        f"  {python} bench.py --quick        # ours vs eager vs torch.compile\n"
+        f"  {python} -m pip install --no-build-isolation .   # installed build (CUDA kernels where nvcc is found)\n"
         f"guide: opforge's docs/first-op.md"
     )
