@@ -61,16 +61,3 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   m.def("_softmax_backward_plan(Tensor grad, Tensor output, int threads_per_row, int rows_per_block, "
         "int vectors_per_thread, bool cluster) -> Tensor");
 }
-
-// ---- conv family (ops/conv.py) ----------------------------------------------
-TORCH_LIBRARY_FRAGMENT(opforge, m) {
-  // act(conv3x3(x, weight) + bias) with the bias and ReLU fused into the
-  // convolution's write; groups is 1 (dense) or C (depthwise).
-  m.def("conv2d_3x3(Tensor x, Tensor weight, Tensor? bias, int stride, int padding, int groups, bool relu) -> Tensor");
-  // Gradients of conv2d_3x3. `result` is the forward's output when relu was
-  // fused (the mask result > 0 is applied to grad_out inside), None otherwise.
-  // Entries of output_mask that are False come back as empty (0,) tensors.
-  m.def(
-      "_conv2d_3x3_backward(Tensor grad_out, Tensor? result, Tensor x, Tensor weight, int stride, int padding, "
-      "int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
-}

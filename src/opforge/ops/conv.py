@@ -109,7 +109,7 @@ def conv2d_3x3(
 
 
 def _out_format(x: torch.Tensor) -> torch.memory_format:
-    # Mirrors conv_common.h out_format: x's suggested memory format.
+    # Mirrors csrc/conv.h out_format: x's suggested memory format.
     if x.dim() == 4 and torch._prims_common.suggest_memory_format(x) == torch.channels_last:
         return torch.channels_last
     return torch.contiguous_format

@@ -1,6 +1,6 @@
 // Depthwise weight / bias gradients of the conv family on the CPU (channel
-// multiplier 1, stride 1 or 2), compiled once per ISA by conv_cpu_{default,avx2,
-// avx512}.cpp after cpu/conv_kernels.h; cpu/conv.cpp picks the ISA at run time.
+// multiplier 1, stride 1 or 2), compiled once per ISA by conv_{default,avx2,
+// avx512}.cpp after cpu/conv_kernels.h; cpu/conv_cpu.cpp picks the ISA at run time.
 //
 // gw[c, kh, kw] = sum_{n, oh, ow} g[n, c, oh, ow] * x[n, c, S oh - pad + kh, S ow - pad + kw]
 // gb[c]         = sum_{n, oh, ow} g[n, c, oh, ow]

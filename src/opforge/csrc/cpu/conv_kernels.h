@@ -1,5 +1,5 @@
-// Loops of the conv family, compiled once per ISA by conv_cpu_{default,avx2,avx512}.cpp
-// (which include cpu_isa_begin.h first); cpu/conv.cpp picks the ISA at run time.
+// Loops of the conv family, compiled once per ISA by conv_{default,avx2,avx512}.cpp
+// (which include cpu_isa_begin.h first); cpu/conv_cpu.cpp picks the ISA at run time.
 //
 // - depthwise forward, NCHW: per (image, input channel) the input rows are
 //   converted to opmath into a zero-padded, 64-byte aligned plane a few rows

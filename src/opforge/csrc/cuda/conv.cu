@@ -33,7 +33,7 @@
 #include <opforge/cuda_vec.cuh>
 #include <opforge/dispatch.h>
 
-#include "conv_common.h"
+#include "conv.h"
 #include "cuda/conv3x3_dense_mma.h"
 #include "cuda/conv_bias_grad.h"
 #include "cuda/conv_depthwise.h"

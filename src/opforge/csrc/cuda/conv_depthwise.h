@@ -5,7 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "conv_common.h"
+#include "conv.h"
 
 namespace opforge::conv {
 

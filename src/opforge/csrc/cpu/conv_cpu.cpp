@@ -11,9 +11,9 @@
 // stride 2), direct loops that apply the ReLU mask (result > 0) as they read
 // grad_out: grad x is the depthwise forward loop run on it with the kernel
 // flipped (stride 1) or cpu/conv_dw_dgrad_kernels.h (stride 2), the weight /
-// bias sums cpu/conv_dw_grad_kernels.h. Otherwise the add family's fused
-// _add_relu_backward kernel masks grad_out and ATen's convolution_backward
-// computes grad x / weight / bias (oneDNN on the CPU).
+// bias sums cpu/conv_dw_grad_kernels.h. Otherwise conv.cpp's
+// backward_via_aten: the ReLU mask, then ATen's convolution_backward for
+// grad x / weight / bias (oneDNN on the CPU).
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -27,7 +27,7 @@
 #include <opforge/cpu_isa.h>
 #include <opforge/dispatch.h>
 
-#include "conv_common.h"
+#include "conv.h"
 #include "cpu/conv_params.h"
 
 OPFORGE_CPU_DECLARE(void, conv_dw_nchw, c10::ScalarType, const opforge::conv::DwParams&)
@@ -230,52 +230,6 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const 
   return out;
 }
 
-}  // namespace
-
-namespace opforge::conv {
-
-// grad_out * (result > 0) through the add family's fused kernel (any device).
-at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("opforge::_add_relu_backward", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return op.call(grad_out, result);
-}
-
-// The backward through ATen's convolution_backward on the (masked) gradient;
-// used by the CPU, and by CUDA for the dense case.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tensor& grad_out,
-                                                                 const c10::optional<at::Tensor>& result,
-                                                                 const at::Tensor& x, const at::Tensor& w,
-                                                                 const Geometry& g, std::array<bool, 3> mask) {
-  const at::Tensor g_m = (result.has_value() && result->defined()) ? relu_masked_grad(grad_out, *result) : grad_out;
-  auto empty = [&] { return at::empty({0}, x.options()); };
-  if (!(mask[0] || mask[1] || mask[2])) return {empty(), empty(), empty()};
-  at::Tensor gx, gw, gb;
-  const auto dtype = x.scalar_type();
-  if (x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16) && x.numel() > 0 && g_m.numel() > 0) {
-    // oneDNN's half-precision CPU backward rounds partial sums; compute in
-    // float32 and round once, as the forward does.
-    auto r = backward_via_aten(g_m.to(at::kFloat), c10::nullopt, x.to(at::kFloat), w.to(at::kFloat), g, mask);
-    return {std::get<0>(r).to(dtype), std::get<1>(r).to(dtype), std::get<2>(r).to(dtype)};
-  }
-  if (x.numel() == 0 || g_m.numel() == 0) {
-    gx = at::zeros_like(x);
-    gw = at::zeros_like(w);
-    gb = at::zeros({g.K}, x.options());
-  } else {
-    std::vector<int64_t> bias_sizes{g.K};
-    std::tie(gx, gw, gb) = at::convolution_backward(g_m, x, w, at::OptionalIntArrayRef(bias_sizes), {g.stride, g.stride},
-                                                    {g.pad, g.pad}, {1, 1}, false, {0, 0}, g.groups, mask);
-  }
-  // Layouts as the fake kernel states: grad x in x's format, grad weight contiguous.
-  return {mask[0] ? gx.contiguous(out_format(x)) : empty(), mask[1] ? gw.contiguous() : empty(),
-          mask[2] ? gb.contiguous() : empty()};
-}
-
-}  // namespace opforge::conv
-
-namespace {
 
 // Depthwise, multiplier 1 (see direct_depthwise_backward): grad x is, for stride
 // 1, the forward's loop run on grad_out (masked by the ReLU's result as it is

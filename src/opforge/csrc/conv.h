@@ -1,5 +1,6 @@
-// Shared by the CPU and CUDA entries of the conv family: argument checks
-// (same words as ops/conv.py) and output geometry.
+// The conv family's device-neutral part, shared by its CPU and CUDA entries:
+// argument checks (same words as ops/conv.py), output geometry, operand
+// layouts, and the ATen backward both backends fall back to (conv.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -129,8 +130,8 @@ inline void check_backward_args(const char* op, const at::Tensor& grad_out, cons
   }
 }
 
-// Defined in cpu/conv.cpp (built into every variant of the library).
-// grad_out * (result > 0) through the add family's fused kernel, any device.
+// grad_out * (result > 0) as torch's ReLU backward computes it
+// (threshold_backward: a NaN result passes the gradient), any device.
 at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result);
 // The backward through ATen's convolution_backward on the (masked) gradient:
 // every CPU case, and the dense CUDA case (cuDNN). Masked-out entries are (0,) tensors.
