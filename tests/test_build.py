@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import opforge
-from opforge import _loader, extension
+from opforge import _loader, extension, jit
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = Path(opforge.__file__).resolve().parent
@@ -42,7 +42,7 @@ def jit_cache(tmp_path_factory):
         env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return cache, env, proc.stdout
+    return cache, env, proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -50,6 +50,7 @@ def test_jit_build_cpu_only(jit_cache):
     cache, _, out = jit_cache
     assert "SOURCE jit:" in out and str(cache) in out
     assert "'cuda': 'none'" in out  # the CPU-only build says so
+    assert "No CUDA runtime is found" not in out  # torch's cpp_extension was imported through opforge's guard
     assert list(cache.rglob("opforge_C*.so"))
 
 
@@ -199,3 +200,49 @@ def test_info_cli():
     assert proc.returncode == 0, proc.stderr
     for key in ("opforge", "torch", "CUDA kernels", "ops", "add_relu", "JIT cache", "GPU"):
         assert key in proc.stdout
+
+
+# --------------------------------------------------------------------------- cache path without torch
+
+
+CACHE_PATHS = """
+import json, os, sys, time
+start = time.perf_counter()
+from opforge import _cpp_extension, jit
+ours = str(jit.cache_dir())
+version = _cpp_extension.torch_version()
+took = time.perf_counter() - start
+imported = "torch" in sys.modules
+import torch
+from torch.utils import cpp_extension
+print(json.dumps({"ours": ours, "torch": cpp_extension._get_build_directory("opforge_C", verbose=False),
+                  "version": version, "real": [torch.__version__, torch.version.cuda, torch.version.hip],
+                  "imported_torch": imported, "took": took}))
+"""
+
+
+@pytest.mark.parametrize("extensions_dir", [None, "ext"])
+def test_cache_dir_is_torchs_answer_without_importing_torch(tmp_path, extensions_dir):
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")  # torch creates the folder it names: keep it here
+    if extensions_dir:
+        env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / extensions_dir)
+    proc = subprocess.run([sys.executable, "-c", CACHE_PATHS], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["ours"] == got["torch"]
+    assert got["ours"].startswith(str(tmp_path / (extensions_dir or "xdg")))
+    assert got["imported_torch"] is False
+    assert [got["version"][k] for k in ("__version__", "cuda", "hip")] == got["real"]
+
+
+def test_cache_path_command_is_quick_and_imports_no_torch():
+    code = ("import sys, time; t = time.perf_counter(); from opforge.cli import main; main(['cache', 'path']); "
+            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    path, took, imported = proc.stdout.split()
+    assert path == str(jit.cache_dir()) and imported == "False"
+    assert float(took) < 1.0  # the no-torch path takes milliseconds; importing torch alone takes seconds here

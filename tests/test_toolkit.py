@@ -263,6 +263,83 @@ def test_doctor_abi_disk_and_locks(monkeypatch, tmp_path):
     assert doctor.stale_locks(tmp_path) == []
 
 
+def test_doctor_prints_its_first_lines_before_importing_torch():
+    code = ("import sys; from opforge import doctor; print(doctor.header()); "
+            "print(doctor.format_check(doctor.check_compiler())[0]); print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    header, compiler, imported = proc.stdout.strip().splitlines()
+    import torch
+
+    assert header.startswith(f"opforge doctor: opforge {opforge.__version__}, torch {torch.__version__} "
+                             f"(CUDA {torch.version.cuda or 'none'}), python ")
+    assert compiler.startswith("[ OK ] compiler") and imported == "False"
+
+
+def test_doctor_streams_each_line_as_its_check_finishes(monkeypatch, capsys):
+    seen = {}
+
+    def ninja():  # runs after the header and the earlier checks were printed
+        seen["before ninja"] = capsys.readouterr().out
+        return doctor.Check("ninja", doctor.OK, "stub")
+
+    monkeypatch.setattr(doctor, "check_ninja", ninja)
+    status = doctor.main(check_kernels=False)
+    assert status in (0, 1)  # 1 where this machine's toolchain fails a check
+    assert capsys.readouterr().out.strip().endswith(("all checks passed", "warning(s)"))
+    out = seen["before ninja"].splitlines()
+    assert out[0].startswith("opforge doctor:") and out[1].startswith("[") and " compiler " in out[1]
+    assert not any(" ninja " in ln for ln in out)
+
+
+def test_doctor_without_kernel_check_loads_no_kernels():
+    code = "import sys; from opforge import doctor; doctor.main(check_kernels=False); print('opforge._C' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr
+    assert "opforge kernels" not in proc.stdout
+
+
+# --------------------------------------------------------------------------- no torch warnings
+
+NO_RUNTIME = "No CUDA runtime is found"
+
+
+def _gives_the_warning_unguarded() -> bool:
+    """Whether a bare import of torch's cpp_extension logs the warning here (no GPU, a CUDA toolkit found)."""
+    proc = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True, text=True,
+                          timeout=300)
+    return NO_RUNTIME in proc.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["-m", "opforge", "cache", "path"],
+    ["-m", "opforge", "doctor", "--no-kernels"],
+    ["-m", "opforge", "info"],
+    ["-c", "import torch, opforge; print(opforge.add_relu(torch.ones(3), torch.ones(3)))"],  # the README example
+    ["-c", "import opforge, torch; from opforge import nn; print(nn.AddReLU()(torch.ones(2), torch.ones(2)))"],
+    ["-c", "from opforge import doctor; print(doctor.check_jit_cache())"],  # imports torch's cpp_extension
+    ["-c", "from opforge import _cpp_extension; _cpp_extension.import_cpp_extension(); import torch.utils.benchmark"],
+])
+def test_no_torch_warning_on_commands(args, tmp_path):
+    import torch
+
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert NO_RUNTIME not in proc.stdout + proc.stderr
+    assert not re.search(r"^[WE]\d{4} ", proc.stderr, re.M), proc.stderr  # no line from torch's logger at all
+    if not torch.cuda.is_available() and extension.cuda_home():
+        assert _gives_the_warning_unguarded()  # so the check above is a real one on this machine
+
+
+@pytest.mark.slow
+def test_no_torch_warning_on_bench(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "opforge", "bench", "add_relu", "--quick", "--no-compile", "--device",
+                           "cpu", "--no-progress", "--dtype", "float32"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "add_relu" in proc.stdout and NO_RUNTIME not in proc.stdout + proc.stderr
+
+
 # --------------------------------------------------------------------------- opforge.extension
 
 
