@@ -2,6 +2,45 @@ import pytest
 import torch
 
 import opforge  # noqa: F401  (loads the kernels once for the whole session)
+from seeding import CASE_ENV, base_seed, reproduce_line, seed_all, seed_for
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--seed",
+        type=int,
+        default=None,
+        help="base seed of the random inputs (default: $OPFORGE_TEST_SEED, else 0); "
+        "each test draws from a seed derived from it and the test's node id",
+    )
+
+
+def pytest_configure(config):
+    config._opforge_seed = base_seed(config.getoption("seed"))
+    # Module-level draws at import (collection) follow the base seed too.
+    seed_all(config._opforge_seed)
+
+
+def pytest_report_header(config):
+    return f"opforge test seed: {config._opforge_seed} (change with --seed N or OPFORGE_TEST_SEED=N)"
+
+
+@pytest.fixture(autouse=True)
+def seed(request, monkeypatch):
+    """Seeds torch (and CUDA), `random` and numpy from the base seed and the node id, so that a
+    test draws the same inputs whatever ran before it; subprocesses get the seed in the env."""
+    value = seed_for(request.config._opforge_seed, request.node.nodeid)
+    seed_all(value)
+    monkeypatch.setenv(CASE_ENV, str(value))
+    return value
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        report.sections.append(("reproduce", reproduce_line(item.config._opforge_seed, item.nodeid)))
+    return report
 
 
 def pytest_collection_modifyitems(config, items):

@@ -211,6 +211,39 @@ def test_empty_batch(kind, device):
     assert torch.equal(w.grad, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("padding", [0, 1])
+def test_zero_input_channels(with_bias, activation, padding, device):
+    """x without channels: F.conv2d's result (an empty (N, 0, Ho, Wo) tensor, its
+    empty-input rule) and its gradients (zeros; the bias's too), not a backend's error."""
+    x = torch.empty((1, 0, 8, 8), device=device, requires_grad=True)
+    w = torch.empty((4, 0, 3, 3), device=device, requires_grad=True)
+    b = rand((4,), torch.float32, device).requires_grad_() if with_bias else None
+    out = opforge.conv2d_3x3(x, w, b, 1, padding, 1, activation)
+    ref = F.conv2d(x, w, b, 1, padding)
+    if activation == "relu":
+        ref = torch.relu(ref)
+    assert out.shape == ref.shape == (1, 0, 8 - 2 + 2 * padding, 8 - 2 + 2 * padding)
+    assert out.dtype == ref.dtype and out.device == ref.device
+    inputs = (x, w) + ((b,) if with_bias else ())
+    grads = torch.autograd.grad(out.sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.sum(), inputs)
+    for got, want in zip(grads, ref_grads):
+        assert got.shape == want.shape and torch.equal(got, want)
+    if with_bias:
+        assert grads[2].shape == (4,) and not grads[2].any()
+
+
+def test_groups_zero_with_zero_channels_is_refused(device):
+    x = torch.empty((1, 0, 8, 8), device=device)
+    w = torch.empty((4, 0, 3, 3), device=device)
+    for call in (opforge.conv2d_3x3, torch.ops.opforge.conv2d_3x3):
+        args = (x, w, None, 1, 0, 0) + (("relu",) if call is opforge.conv2d_3x3 else (True,))
+        with pytest.raises(ValueError, match=r"groups must be 1 or the number of input channels \(0\), got 0"):
+            call(*args)
+
+
 def test_nan_propagates(device):
     x = rand((1, 2, 5, 5), torch.float32, device)
     x[0, 0, 2, 2] = float("nan")
@@ -685,7 +718,6 @@ def test_from_conv(groups, relu, device):
 
 
 def test_module_trains(device):
-    torch.manual_seed(0)
     model = torch.nn.Sequential(Net(), torch.nn.Flatten(), torch.nn.LazyLinear(1)).to(device)
     x = rand((8, 3, 8, 8), device=device)
     y = (x.mean((1, 2, 3)) > 0).float()[:, None]
