@@ -299,7 +299,7 @@ def test_busy_warning_from_load_average(start, end, env, expect):
     if expect is None:
         assert warning is None and "busy" not in text and "busy" not in md
         return
-    assert expect in warning and warning.startswith("warning: busy machine") and "\n" not in warning
+    assert expect in warning and warning.startswith("warning: busy machine: load average") and "\n" not in warning
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("op "))
     assert lines[1] == warning  # before the table, under the summary line
@@ -321,8 +321,8 @@ def test_busy_warning_from_timing_spread(p20, p80, status, warned):
         assert warning is None
         assert not noise.spreads(run)
         return
-    assert f"p80/p20 of the timings above 1.5 in 1 of 1 rows (worst {p80 / p20:.1f}, add_relu N=2^20 float32 fwd eager)" in warning
-    assert "load average" not in warning  # the load was fine
+    assert f"warning: unsteady timings: p80/p20 above 1.5 in 1 of 1 rows (worst {p80 / p20:.2f}, add_relu N=2^20 float32 fwd eager)" in warning
+    assert "busy" not in warning and "load average" not in warning  # the load was fine
     assert report.table(run).count(warning) == 2
 
 
@@ -348,16 +348,20 @@ def test_above_the_floor_note_appears_exactly_above_100(pct, shown):
     assert bool(over) == (int(shown[:-1]) > 100)
     if over:
         assert f"add_relu N=2^20 float32 fwd {shown}" in over[0]
-        assert "8 MiB per call, which fits in the 32 MiB last-level cache" in over[0]
+        assert "1 of them move at most 8 MiB per call, within the 32 MiB last-level cache" in over[0]
+        assert "write-allocate" in over[0]  # the CPU's copy floor is low as well
         assert over[0] in report.table(run)
 
 
 def test_above_the_floor_reason_follows_the_case():
     big = noise.floor_notes(_fake_run(pct_floor=120.0, nbytes=96 << 20))  # bigger than the cache
     (over,) = [n for n in big if n.startswith("above 100%")]
-    assert "fits in" not in over and "write-allocate" in over
-    gpu = noise.floor_notes(_fake_run(pct_floor=120.0, nbytes=96 << 20, device="cuda"))
-    assert "faster than the copy measured at the start" in gpu[-1]
+    assert "within the" not in over and "write-allocate" in over
+    gpu = noise.floor_notes(_fake_run(pct_floor=103.0, nbytes=96 << 20, device="cuda"))
+    assert "1 of them move more than the cache holds: an op that reads more than it writes" in gpu[-1]
+    assert "write-allocate" not in gpu[-1] and "within the" not in gpu[-1]
+    small_gpu = noise.floor_notes(_fake_run(pct_floor=103.0, device="cuda"))  # 8 MiB, in a 32 MiB L2
+    assert "within the 32 MiB last-level cache" in small_gpu[-1] and "more than the cache" not in small_gpu[-1]
     compute_bound = _fake_run(pct_floor=None)  # TFLOP/s rows have no floor: nothing to explain
     assert noise.floor_notes(compute_bound) == [] and "% floor =" not in report.table(compute_bound)
 

@@ -61,13 +61,13 @@ def busy_warning(run: Run) -> str | None:
     reasons = []
     if loads:
         cores = run.environment.get("usable_cores") or run.environment.get("cpu_cores")
-        reasons.append(f"load average {' and '.join(loads)} of the run, above its {cores} cores")
+        reasons.append(f"busy machine: load average {' and '.join(loads)} of the run, above its {cores} cores")
     if spread:
         worst, r, key = spread[0]
         rows = len({id(c) for _, c, _ in spread})
-        reasons.append(f"p80/p20 of the timings above {SPREAD_LIMIT:g} in {rows} of {len(run.results)} rows "
-                       f"(worst {worst:.1f}, {_row(r)} {key})")
-    return f"warning: busy machine: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
+        reasons.append(f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {rows} of {len(run.results)} rows "
+                       f"(worst {worst:.2f}, {_row(r)} {key})")
+    return f"warning: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
 
 
 def _shown_pct(value: float | None) -> int | None:
@@ -92,16 +92,17 @@ def floor_notes(run: Run) -> list[str]:
         cached = [r for r in over if r.bytes <= run.cache_bytes]
         reason = []
         if cached:
-            reason.append(f"{'all' if len(cached) == len(over) else len(cached)} of these move at most "
-                          f"{max(r.bytes for r in cached) / 2**20:.0f} MiB per call, which fits in the "
-                          f"{run.cache_bytes >> 20} MiB last-level cache: the inputs are rotated past it, but "
-                          f"each output lands in memory just freed and still cached, so a call moves data faster "
-                          f"than the memory bandwidth the floor assumes")
+            reason.append(f"{len(cached)} of them move at most {max(r.bytes for r in cached) / 2**20:.0f} MiB per call, "
+                          f"within the {run.cache_bytes >> 20} MiB last-level cache: inputs are rotated past it, but "
+                          f"outputs land in memory just freed and still cached, so such a call beats the memory "
+                          f"bandwidth the floor assumes")
         if run.settings.device == "cpu":
             reason.append("on the CPU the floor's copy also reads its destination before writing it "
-                          "(write-allocate), traffic the floor does not count, so the floor is low")
-        if not reason:
-            reason.append("the op ran faster than the copy measured at the start of the run")
+                          "(write-allocate), which the floor does not count, so the floor is low")
+        elif len(cached) < len(over):
+            reason.append(f"{len(over) - len(cached)} of them move more than the cache holds: an op that reads more "
+                          f"than it writes can beat the half-read, half-write copy the floor is measured with "
+                          f"by a few percent")
         notes.append(f"above 100% of the floor ({_more(named)}): {'; '.join(reason)}")
     over_copy = [r for r in run.results if r.pct_copy is not None and _shown_pct(r.pct_copy) > 100]
     if over_copy:
