@@ -348,7 +348,7 @@ def test_above_the_floor_note_appears_exactly_above_100(pct, shown):
     assert bool(over) == (int(shown[:-1]) > 100)
     if over:
         assert f"add_relu N=2^20 float32 fwd {shown}" in over[0]
-        assert "1 of them move at most 8 MiB per call, within the 32 MiB last-level cache" in over[0]
+        assert "it moves at most 8 MiB per call, within the 32 MiB last-level cache" in over[0]
         assert "write-allocate" in over[0]  # the CPU's copy floor is low as well
         assert over[0] in report.table(run)
 
@@ -358,10 +358,15 @@ def test_above_the_floor_reason_follows_the_case():
     (over,) = [n for n in big if n.startswith("above 100%")]
     assert "within the" not in over and "write-allocate" in over
     gpu = noise.floor_notes(_fake_run(pct_floor=103.0, nbytes=96 << 20, device="cuda"))
-    assert "1 of them move more than the cache holds: an op that reads more than it writes" in gpu[-1]
+    assert "it moves more than the cache holds: an op that reads more than it writes" in gpu[-1]
     assert "write-allocate" not in gpu[-1] and "within the" not in gpu[-1]
     small_gpu = noise.floor_notes(_fake_run(pct_floor=103.0, device="cuda"))  # 8 MiB, in a 32 MiB L2
     assert "within the 32 MiB last-level cache" in small_gpu[-1] and "more than the cache" not in small_gpu[-1]
+    mixed = _fake_run(pct_floor=103.0, device="cuda")  # two rows over the floor, one in the cache and one not
+    mixed.results.append(dataclasses.replace(mixed.results[0], shape="N=2^26", bytes=96 << 20))
+    (over,) = [n for n in noise.floor_notes(mixed) if n.startswith("above 100%")]
+    assert "N=2^20 float32 fwd 103%, add_relu N=2^26 float32 fwd 103%" in over
+    assert "1 of them move at most 8 MiB" in over and "1 of them move more than the cache holds" in over
     compute_bound = _fake_run(pct_floor=None)  # TFLOP/s rows have no floor: nothing to explain
     assert noise.floor_notes(compute_bound) == [] and "% floor =" not in report.table(compute_bound)
 

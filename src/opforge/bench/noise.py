@@ -70,6 +70,11 @@ def busy_warning(run: Run) -> str | None:
     return f"warning: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
 
 
+def _which(n: int, total: int) -> str:
+    """The subject of a reason that applies to n of the total rows named."""
+    return "it moves" if total == 1 else "all move" if n == total else f"{n} of them move"
+
+
 def _shown_pct(value: float | None) -> int | None:
     """The percentage as the table prints it (rounded to a whole number)."""
     return None if value is None else int(f"{value:.0f}")
@@ -92,7 +97,7 @@ def floor_notes(run: Run) -> list[str]:
         cached = [r for r in over if r.bytes <= run.cache_bytes]
         reason = []
         if cached:
-            reason.append(f"{len(cached)} of them move at most {max(r.bytes for r in cached) / 2**20:.0f} MiB per call, "
+            reason.append(f"{_which(len(cached), len(over))} at most {max(r.bytes for r in cached) / 2**20:.0f} MiB per call, "
                           f"within the {run.cache_bytes >> 20} MiB last-level cache: inputs are rotated past it, but "
                           f"outputs land in memory just freed and still cached, so such a call beats the memory "
                           f"bandwidth the floor assumes")
@@ -100,7 +105,7 @@ def floor_notes(run: Run) -> list[str]:
             reason.append("on the CPU the floor's copy also reads its destination before writing it "
                           "(write-allocate), which the floor does not count, so the floor is low")
         elif len(cached) < len(over):
-            reason.append(f"{len(over) - len(cached)} of them move more than the cache holds: an op that reads more "
+            reason.append(f"{_which(len(over) - len(cached), len(over))} more than the cache holds: an op that reads more "
                           f"than it writes can beat the half-read, half-write copy the floor is measured with "
                           f"by a few percent")
         notes.append(f"above 100% of the floor ({_more(named)}): {'; '.join(reason)}")
