@@ -21,7 +21,9 @@ source: str | None = None
 
 
 def build_info() -> dict[str, str]:
-    """What the loaded library was built with: torch, cuda, archs."""
+    """What the loaded library was built with: torch, cuda, archs (loading it first if needed)."""
+    if source is None:
+        load()
     raw = torch.ops.opforge._build_info()
     info = dict(item.split("=", 1) for item in raw.split(";"))
     if info.get("cuda", "none") != "none":  # encoded as major * 100 + minor

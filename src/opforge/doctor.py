@@ -253,7 +253,7 @@ def check_kernels(timeout: float = 600) -> Check:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return Check("opforge kernels", FAIL, f"loading took over {timeout:.0f} s (a JIT build waiting on a lock?)",
-                     "run `opforge cache clear` and retry; `OPFORGE_JIT=1 python -c 'import opforge'` shows the build")
+                     "run `opforge cache clear` and retry; `OPFORGE_JIT=1 python -c 'import torch, opforge'` runs the build in the foreground")
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         last = lines[-1] if lines else "(no output)"
