@@ -1,5 +1,5 @@
-"""Helpers shared by the op tests: fresh inputs, float64 references,
-per-dtype tolerances, and poisoned output memory."""
+"""Helpers shared by the op tests: random inputs, float64 references,
+per-dtype tolerances, error bounds of reductions, and poisoned output memory."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import torch
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
-# (atol, rtol) for results computed in opmath and rounded once; NaN never
-# passes unless the reference has NaN in the same place and the test says so.
+# (atol, rtol) for results computed in opmath and rounded once: rtol covers
+# the result's own rounding (float16 1e-3 and bfloat16 1e-2: about one ulp)
+# and a few ulps of elementwise error (float32 1e-5: 84 ulps); NaN never passes
+# unless the reference has NaN in the same place and the test says so.
 TOLERANCES = {
     torch.float64: (1e-12, 1e-10),
     torch.float32: (1e-6, 1e-5),
@@ -20,7 +22,7 @@ TOLERANCES = {
 
 
 def rand(shape, dtype=torch.float32, device="cpu", scale=1.0) -> torch.Tensor:
-    """Fresh standard-normal values (never zeros, never a fixed seed)."""
+    """Fresh standard-normal values (never zeros), from the test's seed (conftest.py)."""
     return (torch.randn(shape, dtype=torch.float64, device=device) * scale).to(dtype)
 
 
@@ -31,6 +33,45 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype=None, equal
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     torch.testing.assert_close(actual, expected, atol=atol * scale, rtol=rtol, equal_nan=equal_nan)
+
+
+def unit_roundoff(dtype) -> float:
+    """u of the arithmetic a dtype is computed in: float64's, or float32's (half types compute in float32)."""
+    return 2.0**-53 if dtype == torch.float64 else 2.0**-24
+
+
+def sum_error(terms: torch.Tensor, dim: int, dtype) -> torch.Tensor:
+    """Allowed error of a sum of float64 `terms` along `dim` computed in `dtype`'s arithmetic.
+
+    Each addition rounds by at most u times its partial sum; added one after another with
+    independent errors, the error's standard deviation is u * ||cumsum(terms)||_2 / sqrt(3)
+    (u * K * rms / sqrt(6) for random signs, u * sum * sqrt(K) / 3 for positive terms); kernels
+    that keep several partial sums do better. Allowed: 3 u ||cumsum||_2, over 5 of those deviations.
+    """
+    return 3 * unit_roundoff(dtype) * torch.cumsum(terms, dim).norm(dim=dim, keepdim=True)
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor, equal_nan=False):
+    """|actual - expected| <= tol element by element, tol a float64 bound broadcast to expected's shape.
+
+    Infinities must match exactly; NaN passes only where expected is NaN and equal_nan is set.
+    """
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a, e = actual.detach().cpu().double(), expected.detach().cpu().double()
+    tol = torch.as_tensor(tol, dtype=torch.float64).cpu().expand(e.shape)
+    nan_a, nan_e = a.isnan(), e.isnan()
+    same = (a == e) | (nan_a & nan_e & equal_nan)  # equal infinities, and NaN where allowed
+    err = (a - e).abs()
+    bad = ~same & ~(err <= tol)  # NaN err (one side NaN, or inf - inf) is never <= tol
+    if bad.any():
+        n = int(bad.sum())
+        excess = torch.where(bad, (err / tol).nan_to_num(float("inf")), torch.zeros_like(err))
+        i = tuple(int(k) for k in torch.nonzero(excess == excess.max())[0]) if e.dim() else ()
+        raise AssertionError(
+            f"{n} / {e.numel()} elements outside the bound; worst at index {i}: actual {a[i].item()!r}, "
+            f"expected {e[i].item()!r}, error {err[i].item():.3g} > allowed {tol[i].item():.3g}"
+        )
 
 
 @contextlib.contextmanager
