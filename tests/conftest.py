@@ -43,10 +43,13 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+NO_GPU = "needs a CUDA GPU (run `make gpu-check` on a GPU machine)"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-check` on a GPU machine)")
+    skip = pytest.mark.skip(reason=NO_GPU)
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
@@ -58,3 +61,18 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(
             "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
         )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason with its count; the CUDA tests a machine without a GPU skips
+    are one line in all."""
+    reasons = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        if reason == NO_GPU:
+            terminalreporter.write_line(f"{count} CUDA tests skipped: no GPU")
+        else:
+            terminalreporter.write_line(f"{count} skipped: {reason}")
