@@ -66,7 +66,7 @@ gpu-check:
 	MAX_JOBS=$${MAX_JOBS:-$$(nproc)} TORCH_CUDA_ARCH_LIST=$${TORCH_CUDA_ARCH_LIST:-native} OPFORGE_CUDA=1 \
 		$(PYTHON) tools/build.py 2>&1 | tee $(OUT)/build.log | tail -n 60
 	PYTHONPATH=src $(PYTHON) -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee $(OUT)/pytest-cuda.log | tail -n 30
-	PYTHONPATH=src $(PYTHON) -m opforge_cli bench --quick --device cuda 2>&1 | tee $(OUT)/demo.log
+	PYTHONPATH=src $(PYTHON) -m opforge bench --quick --device cuda 2>&1 | tee $(OUT)/demo.log
 
 # The committed results in docs/benchmarks/, regenerated on an idle machine:
 # `make bench-docs` on the 2-core CPU, `make bench-docs DEVICE=cuda` on the
@@ -79,12 +79,12 @@ bench-docs:
 		for spec in "add_relu add_relu" "softmax softmax --mode fwd --mode bwd" "nms nms" \
 				"conv conv --mode fwd" "conv-bwd conv --mode bwd"; do \
 			set -- $$spec; name=$$1; fam=$$2; shift 2; \
-			PYTHONPATH=src $(PYTHON) -m opforge_cli bench $$fam "$$@" --device cuda --no-progress \
+			PYTHONPATH=src $(PYTHON) -m opforge bench $$fam "$$@" --device cuda --no-progress \
 				--json docs/benchmarks/$(GPU_NAME)-$$name.json --markdown docs/benchmarks/$(GPU_NAME)-$$name.md \
 				--plot docs/benchmarks/$(GPU_NAME)-$$name.png || exit 1; \
 		done; \
 	else \
-		PYTHONPATH=src $(PYTHON) -m opforge_cli bench --device cpu --no-progress \
+		PYTHONPATH=src $(PYTHON) -m opforge bench --device cpu --no-progress \
 			--json docs/benchmarks/cpu.json --markdown docs/benchmarks/cpu.md --plot docs/benchmarks/cpu.png; \
 	fi
 
