@@ -60,12 +60,12 @@ def cpp_extension_source() -> str:
 
 def default_build_root() -> Path:
     """``cpp_extension.get_default_build_root()``: torch's user cache folder for extensions."""
+    if sys.platform == "win32":  # the folder comes from the registry: ask torch
+        return Path(import_cpp_extension().get_default_build_root())
     if sys.platform == "darwin":
         base = os.path.expanduser("~/Library/Caches")
-    elif sys.platform.startswith("linux") or sys.platform.startswith(("freebsd", "openbsd")):
+    else:  # every other platform follows XDG in torch._appdirs
         base = os.getenv("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    else:  # Windows' folder comes from the registry: ask torch
-        return Path(import_cpp_extension().get_default_build_root())
     return Path(os.path.realpath(os.path.join(base, "torch_extensions")))
 
 
@@ -105,7 +105,7 @@ def import_cpp_extension():
     module = sys.modules.get("torch.utils.cpp_extension")
     if module is not None:
         return module
-    saved = {var: os.environ.get(var) for var in ("CUDA_HOME",)}
+    saved = os.environ.get("CUDA_HOME")
     home = extension.cuda_home()
     if home:
         os.environ["CUDA_HOME"] = home
@@ -116,9 +116,8 @@ def import_cpp_extension():
         from torch.utils import cpp_extension
     finally:
         logger.removeFilter(quiet)
-        for var, value in saved.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
+        if saved is None:  # the user's environment is left as it was (doctor reports on it)
+            os.environ.pop("CUDA_HOME", None)
+        else:
+            os.environ["CUDA_HOME"] = saved
     return cpp_extension
