@@ -216,8 +216,21 @@ def _arch_define(arch_list: str) -> str:
     return "_".join(a.strip().replace(".", "") for a in re.split(r"[;\s]+", arch_list) if a.strip())
 
 
-def _torch_defines_limited_api() -> bool:
+def _import_cpp_extension():
+    """torch.utils.cpp_extension without its import-time CUDA_HOME guess and
+    warning (opforge._cpp_extension); a plain import where this file was loaded
+    by path, as setup.py does (the build's output is filtered there)."""
+    if __package__:
+        from ._cpp_extension import import_cpp_extension
+
+        return import_cpp_extension()
     from torch.utils import cpp_extension
+
+    return cpp_extension
+
+
+def _torch_defines_limited_api() -> bool:
+    cpp_extension = _import_cpp_extension()
 
     return "-DPy_LIMITED_API=" in Path(cpp_extension.__file__).read_text()
 
@@ -324,7 +337,7 @@ def setup_extension(src: SourceSet, module_name: str):
     cached = enable_ccache()
     if cached:
         print(f"{src.name}: compiling through ccache ({cached})", file=sys.stderr)
-    from torch.utils import cpp_extension
+    cpp_extension = _import_cpp_extension()
 
     cxx, nvcc = src.flags(decision.enabled, for_wheel=True)
     kind = cpp_extension.CUDAExtension if decision.enabled else cpp_extension.CppExtension
@@ -360,7 +373,7 @@ class BuildError(RuntimeError):
 
 def jit_build_directory(name: str) -> Path:
     """Where ``jit_load`` builds ``name``: under ``TORCH_EXTENSIONS_DIR`` or torch's default root."""
-    from torch.utils import cpp_extension
+    cpp_extension = _import_cpp_extension()
 
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
@@ -391,7 +404,7 @@ def _build_lock(build_dir: Path, verbose: bool):
 def _torch_uses_kernel_lock() -> bool:
     # torch >= 2.14 takes an OS-level FileLock on the same path; its file
     # may stay behind harmlessly and must not be removed while held.
-    from torch.utils import cpp_extension
+    cpp_extension = _import_cpp_extension()
 
     return hasattr(cpp_extension, "FileLock")
 
@@ -426,7 +439,7 @@ def jit_load(
     """
     import io
 
-    from torch.utils import cpp_extension
+    cpp_extension = _import_cpp_extension()
 
     if with_cuda is None:
         decision = decide_cuda(src.cuda_env_var, require_gpu=require_gpu)
