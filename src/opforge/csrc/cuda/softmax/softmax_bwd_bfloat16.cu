@@ -1,0 +1,12 @@
+// The softmax backward row kernels for bfloat16, all three modes (one dtype
+// per file: nvcc builds the files in parallel).
+#include "launch_backward.cuh"
+
+namespace opforge::softmax::gpu {
+
+template <>
+void backward_rows<c10::BFloat16>(Mode mode, const BwdArgs& a, const at::Tensor& out, const PlanRequest* req) {
+  with_mode(mode, [&](auto m) { backward_rows_impl<c10::BFloat16, decltype(m)::value>(a, out, req); });
+}
+
+}  // namespace opforge::softmax::gpu
