@@ -1,5 +1,5 @@
 """Dense 3x3 conv + bias + ReLU on the GPU: opforge's tensor-core kernel
-(``torch.ops.opforge._conv3x3_dense_mma``) against cuDNN (F.conv2d + relu,
+(``torch.ops.opforge_bench.conv_dense_mma``) against cuDNN (F.conv2d + relu,
 eager) and torch.compile of the same, in one run, with CUDA events.
 
     PYTHONPATH=src python benchmarks/conv_dense_mma.py [--dtype bfloat16|float16|float32] [--quick] [--tiles]
@@ -60,7 +60,7 @@ def main():
     torch.backends.cudnn.benchmark = True
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.matmul.allow_tf32 = True
-    op = torch.ops.opforge._conv3x3_dense_mma
+    op = torch.ops.opforge_bench.conv_dense_mma
     compiled = torch.compile(conv_relu)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     peak = matrix_rate_tflops(dtype)

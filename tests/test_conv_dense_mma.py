@@ -1,5 +1,5 @@
 """The CUDA tensor-core dense 3x3 conv (implicit GEMM, fused bias + ReLU),
-through its test entry ``torch.ops.opforge._conv3x3_dense_mma``.
+through its test entry ``torch.ops.opforge_bench.conv_dense_mma``.
 
 Every result is checked element by element against F.conv2d (+ relu) in
 float64 of the SAME rounded inputs, with a rigorous error bound rather than a
@@ -38,7 +38,7 @@ PROD_ERR = {torch.bfloat16: 0.0, torch.float16: 0.0, torch.float32: 2.0**-10 + 2
 
 
 def mma_op():
-    return torch.ops.opforge._conv3x3_dense_mma
+    return torch.ops.opforge_bench.conv_dense_mma
 
 
 @contextlib.contextmanager
@@ -345,7 +345,7 @@ def test_bad_arguments():
 
 
 def test_schema_registered():
-    schema = str(torch.ops.opforge._conv3x3_dense_mma.default._schema)
+    schema = str(torch.ops.opforge_bench.conv_dense_mma.default._schema)
     assert schema == (
-        "opforge::_conv3x3_dense_mma(Tensor x, Tensor w, Tensor? bias, int stride, int padding, bool relu) -> Tensor"
+        "opforge_bench::conv_dense_mma(Tensor x, Tensor w, Tensor? bias, int stride, int padding, bool relu) -> Tensor"
     )

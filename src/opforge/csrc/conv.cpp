@@ -22,6 +22,13 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
       "int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
+TORCH_LIBRARY_FRAGMENT(opforge_bench, m) {
+  // relu?(conv3x3(x, w) + bias) by the CUDA implicit-GEMM tensor-core kernel
+  // alone (cuda/conv_dense_mma.cu, groups 1). Raises when that kernel
+  // declines the case instead of falling back. CUDA only.
+  m.def("conv_dense_mma(Tensor x, Tensor w, Tensor? bias, int stride, int padding, bool relu) -> Tensor");
+}
+
 namespace opforge::conv {
 
 // result <= 0 ? 0 : grad_out, element for element the add family's

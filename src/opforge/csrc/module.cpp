@@ -41,3 +41,8 @@ std::string build_info() {
 TORCH_LIBRARY(opforge, m) {
   m.def("_build_info() -> str", &build_info);
 }
+
+// Ops for tests and benchmarks only, not public API: single kernel paths
+// run alone (no fallback), so a test or timing knows what it exercised.
+// Families add theirs with TORCH_LIBRARY_FRAGMENT(opforge_bench, m).
+TORCH_LIBRARY(opforge_bench, m) {}

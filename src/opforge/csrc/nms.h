@@ -1,4 +1,4 @@
-// Shared pieces of the NMS family (cpu/nms.cpp, cuda/nms.cu): argument
+// Shared pieces of the NMS family (cpu/nms_cpu.cpp, cuda/nms.cu): argument
 // checks with the same words as ops/nms.py, and the threshold conversion that
 // makes a comparison in the IoU's own precision exact.
 #pragma once

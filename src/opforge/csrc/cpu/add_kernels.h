@@ -1,12 +1,12 @@
 // Loops of the add family, compiled once per ISA by add_{default,avx2,avx512}.cpp
 // (which include cpu_isa_begin.h first). Each takes one TensorIterator 2-d
-// chunk; cpu/add.cpp builds the iterator and picks the ISA.
+// chunk; cpu/add_cpu.cpp builds the iterator and picks the ISA.
 #include <c10/core/ScalarType.h>
 
 #include <opforge/cpu_loops.h>
 #include <opforge/dispatch.h>
 
-#include "add_functors.h"
+#include "add.h"
 
 namespace opforge::cpu::CPU_CAPABILITY {
 

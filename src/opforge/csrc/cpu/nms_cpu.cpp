@@ -27,7 +27,7 @@
 
 #include <opforge/cpu_isa.h>
 
-#include "nms_common.h"
+#include "nms.h"
 
 OPFORGE_CPU_DECLARE(void, nms_suppress_f32, const float*, const float*, const float*, const float*, const float*,
                     const int64_t*, int64_t, int64_t, int64_t, float, uint8_t*)

@@ -10,7 +10,7 @@
 #include <opforge/dispatch.h>
 #include <opforge/elementwise.h>
 
-#include "add_functors.h"
+#include "add.h"
 
 namespace {
 

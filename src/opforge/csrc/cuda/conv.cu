@@ -10,7 +10,7 @@
 // kernel. Without ReLU there is nothing to fuse: cuDNN's convolution with
 // bias (F.conv2d's call). With OPFORGE_CONV_DENSE_ENGINE=opforge, for
 // float64, or where cuDNN refuses: the tensor-core implicit GEMM of
-// cuda/conv3x3_dense_mma.cu when it takes the case; otherwise (fallback)
+// cuda/conv_dense_mma.cu when it takes the case; otherwise (fallback)
 // ATen's convolution (cuDNN, honouring
 // torch.backends.cudnn.allow_tf32 for float32 exactly like F.conv2d)
 // followed by ONE fused bias + ReLU epilogue kernel, in place on cuDNN's
@@ -34,7 +34,7 @@
 #include <opforge/dispatch.h>
 
 #include "conv.h"
-#include "cuda/conv3x3_dense_mma.h"
+#include "cuda/conv_dense_mma.h"
 #include "cuda/conv_bias_grad.h"
 #include "cuda/conv_depthwise.h"
 

@@ -34,7 +34,7 @@
 // accumulators, one rounding to the output dtype, then the tile is staged in
 // shared memory and written coalesced: 16-byte stores along K for a
 // channels_last output, runs along the pixels of one image for NCHW.
-#include "conv3x3_dense_mma.h"
+#include "cuda/conv_dense_mma.h"
 
 #include <ATen/Context.h>
 #include <ATen/ops/empty.h>
@@ -642,14 +642,14 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
 
 }  // namespace opforge::conv
 
-// ---- test / benchmark entry: opforge._conv3x3_dense_mma -----------------------
+// ---- test / benchmark entry: opforge_bench.conv_dense_mma -----------------------
 // Runs the tensor-core path alone and raises when it declines the case, so
 // tests and benchmarks know they measured this kernel and not a fallback.
 namespace {
 
 at::Tensor conv3x3_dense_mma_entry(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                    int64_t stride, int64_t padding, bool relu) {
-  constexpr const char* op = "opforge._conv3x3_dense_mma";
+  constexpr const char* op = "opforge_bench.conv_dense_mma";
   opforge::check_float_tensor(x, op, "x");
   opforge::check_float_tensor(w, op, "w");
   opforge::check_dim(x, 4, op, "x");
@@ -691,6 +691,6 @@ at::Tensor conv3x3_dense_mma_entry(const at::Tensor& x, const at::Tensor& w, con
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
-  m.impl("_conv3x3_dense_mma", &conv3x3_dense_mma_entry);
+TORCH_LIBRARY_IMPL(opforge_bench, CUDA, m) {
+  m.impl("conv_dense_mma", &conv3x3_dense_mma_entry);
 }

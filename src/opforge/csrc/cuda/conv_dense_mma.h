@@ -1,5 +1,5 @@
 // Dense 3x3 convolution forward on tensor cores (implicit GEMM) with the
-// bias + ReLU epilogue fused. See conv3x3_dense_mma.cu for the design.
+// bias + ReLU epilogue fused. See conv_dense_mma.cu for the design.
 #pragma once
 #include <ATen/core/Tensor.h>
 namespace opforge::conv {

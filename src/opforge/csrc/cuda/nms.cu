@@ -35,7 +35,7 @@
 
 #include <opforge/cuda_launch.cuh>
 
-#include "nms_common.h"
+#include "nms.h"
 
 namespace {
 
