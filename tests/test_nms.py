@@ -329,6 +329,25 @@ def test_errors_in_the_kernel(call, exc, text):
     assert text in str(info.value)
 
 
+def test_nms_padded_max_output_too_large(device):
+    """The padded output has max_output entries: past 2**31 - 1 the wrapper, the
+    kernel and the fake kernel refuse it by name, before any allocation."""
+    b, s = _args(device)
+    text = (r"opforge.nms_padded: max_output must be at most 2147483647 \(the length of the padded output\), "
+            r"got 1000000000000000")
+    for call in (opforge.nms_padded, torch.ops.opforge.nms_padded):
+        with pytest.raises(ValueError, match=text):
+            call(b, s, 0.5, 10**15)
+    with pytest.raises(ValueError, match=r"max_output must be at most 2147483647"):
+        torch.ops.opforge.nms_padded(b, s, 0.5, 2**31)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fb, fs = mode.from_tensor(b), mode.from_tensor(s)
+        with pytest.raises(ValueError, match=text):
+            torch.ops.opforge.nms_padded(fb, fs, 0.5, 10**15)
+    padded, count = opforge.nms_padded(b, s, 0.5, 7)  # below the bound: as before
+    assert padded.shape == (7,) and int(count) <= 5 and (padded[int(count):] == -1).all()
+
+
 @pytest.mark.cuda
 def test_different_devices():
     b, s = _args()

@@ -35,7 +35,7 @@ inline Geometry check_conv_args(const char* op, const at::Tensor& x, const at::T
   TORCH_CHECK_VALUE(stride == 1 || stride == 2, op, ": stride must be 1 or 2, got ", stride);
   TORCH_CHECK_VALUE(padding == 0 || padding == 1, op, ": padding must be 0 or 1, got ", padding);
   const int64_t C = x.size(1), K = w.size(0);
-  TORCH_CHECK_VALUE(groups == 1 || groups == C, op, ": groups must be 1 or the number of input channels (", C,
+  TORCH_CHECK_VALUE(groups == 1 || (groups == C && C > 0), op, ": groups must be 1 or the number of input channels (", C,
                     "), got ", groups);
   Geometry g{};
   g.N = x.size(0);
@@ -91,8 +91,12 @@ inline ForwardOperands forward_operands(const at::Tensor& x, const at::Tensor& w
           (bias.has_value() && bias->defined()) ? bias->contiguous() : at::Tensor()};
 }
 
+// Channels of the output: K, but none for an x without channels, as
+// F.conv2d's empty-input rule gives ((N, 0, Ho, Wo), whatever the bias).
+inline int64_t out_channels(const Geometry& g) { return g.C == 0 ? 0 : g.K; }
+
 inline at::Tensor empty_output(const Geometry& g, const ForwardOperands& o) {
-  return at::empty({g.N, g.K, g.Ho, g.Wo}, o.x.options().memory_format(o.fmt));
+  return at::empty({g.N, out_channels(g), g.Ho, g.Wo}, o.x.options().memory_format(o.fmt));
 }
 
 // The direct backward kernels' operands: x, grad_out and the fused ReLU's
@@ -117,7 +121,7 @@ inline void check_backward_args(const char* op, const at::Tensor& grad_out, cons
   check_same_device(x, "x", grad_out, "grad_out", op);
   TORCH_CHECK_TYPE(grad_out.scalar_type() == x.scalar_type(), op, ": grad_out must have x's dtype ",
                    x.scalar_type(), ", got ", grad_out.scalar_type());
-  const std::vector<int64_t> expect{g.N, g.K, g.Ho, g.Wo};
+  const std::vector<int64_t> expect{g.N, out_channels(g), g.Ho, g.Wo};
   TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(expect), op, ": grad_out must have shape ",
                     at::IntArrayRef(expect), ", got ", grad_out.sizes());
   if (result.has_value() && result->defined()) {

@@ -50,6 +50,19 @@ inline void check_args(const char* op, const at::Tensor& boxes, const at::Tensor
   }
 }
 
+// nms_padded's output has max_output entries: at most this many (the int32
+// range), a length that can be allocated and indexed by every kernel.
+inline constexpr int64_t kMaxPaddedOutput = (int64_t{1} << 31) - 1;
+
+// check_args, then nms_padded's bound on max_output.
+inline void check_padded_args(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
+                              const std::optional<at::Tensor>& idxs, double iou_threshold,
+                              std::optional<double> score_threshold, int64_t max_output) {
+  check_args(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output);
+  TORCH_CHECK_VALUE(max_output <= kMaxPaddedOutput, op, ": max_output must be at most ", kMaxPaddedOutput,
+                    " (the length of the padded output), got ", max_output);
+}
+
 // The largest T not above t. For a T value v, `v > threshold_for<T>(t)`
 // equals the exact comparison `double(v) > t` (what torchvision's CPU kernel
 // does), so comparing in T loses nothing.

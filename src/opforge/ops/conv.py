@@ -32,7 +32,7 @@ _BWD = "opforge._conv2d_3x3_backward"
 
 
 def _check(op: str, x, weight, bias, stride, padding, groups) -> tuple[int, int, int, int]:
-    """Checks the arguments; returns (N, K, Ho, Wo)."""
+    """Checks the arguments; returns the output shape (N, K, Ho, Wo)."""
     _checks.float_tensor(op, "x", x)
     _checks.float_tensor(op, "weight", weight)
     if x.dim() != 4:
@@ -55,7 +55,7 @@ def _check(op: str, x, weight, bias, stride, padding, groups) -> tuple[int, int,
         raise ValueError(f"{op}: padding must be 0 or 1, got {padding}")
     n, c, h, w = x.shape
     k = weight.shape[0]
-    if groups != 1 and groups != c:
+    if groups != 1 and (groups != c or c == 0):
         raise ValueError(f"{op}: groups must be 1 or the number of input channels ({c}), got {groups}")
     if weight.shape[1] * groups != c:
         raise ValueError(
@@ -72,7 +72,9 @@ def _check(op: str, x, weight, bias, stride, padding, groups) -> tuple[int, int,
         raise ValueError(
             f"{op}: x's spatial size ({h}, {w}) with padding {padding} is smaller than the 3x3 kernel"
         )
-    return n, k, (h + 2 * padding - 3) // stride + 1, (w + 2 * padding - 3) // stride + 1
+    # No input channels: no output channels, F.conv2d's empty-input rule (csrc/conv.h out_channels).
+    k_out = 0 if c == 0 else k
+    return n, k_out, (h + 2 * padding - 3) // stride + 1, (w + 2 * padding - 3) // stride + 1
 
 
 def _activation(activation) -> bool:

@@ -68,6 +68,9 @@ def _same_length(op: str, boxes, name: str, t) -> None:
         raise ValueError(msg())
 
 
+_MAX_PADDED = 2**31 - 1
+
+
 def _check(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output, *, max_optional=True):
     _checks.float_tensor(op, "boxes", boxes)
     _checks.float_tensor(op, "scores", scores)
@@ -92,6 +95,14 @@ def _check(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output, 
     if st is not None and math.isnan(st):
         raise ValueError(f"{op}: score_threshold must not be NaN")
     mo = _integer(op, "max_output", max_output, optional=max_optional)
+    if not max_optional:  # nms_padded: its output has max_output entries (csrc/nms.h kMaxPaddedOutput)
+        def too_long():
+            return f"{op}: max_output must be at most {_MAX_PADDED} (the length of the padded output), got {mo}"
+
+        if isinstance(mo, torch.SymInt):
+            torch._check(mo <= _MAX_PADDED, too_long)
+        elif mo > _MAX_PADDED:
+            raise ValueError(too_long())
     return iou, st, mo
 
 

@@ -209,7 +209,7 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const 
                           int64_t stride, int64_t padding, int64_t groups, bool relu) {
   const Geometry g = opforge::conv::check_conv_args(kOp, x_in, w_in, bias_in, stride, padding, groups);
   const auto o = opforge::conv::forward_operands(x_in, w_in, bias_in);
-  if (g.N * g.K * g.Ho * g.Wo == 0) return opforge::conv::empty_output(g, o);
+  if (g.N * opforge::conv::out_channels(g) * g.Ho * g.Wo == 0) return opforge::conv::empty_output(g, o);
   if (!g.depthwise) {
     const at::Tensor fused = dense_forward_onednn(o.x, o.w, o.bias, relu, g);
     if (fused.defined()) return fused.contiguous(o.fmt);

@@ -230,6 +230,8 @@ std::tuple<at::Tensor, at::Tensor> nms_padded_cpu(const at::Tensor& boxes, const
                                                   double iou_threshold, int64_t max_output,
                                                   const std::optional<at::Tensor>& idxs,
                                                   std::optional<double> score_threshold) {
+  opforge::nms::check_padded_args("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold,
+                                  max_output);
   const at::Tensor kept =
       nms_kept_cpu("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output);
   const auto long_opts = boxes.options().dtype(at::kLong);

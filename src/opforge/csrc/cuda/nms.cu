@@ -361,7 +361,8 @@ std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(const at::Tensor& boxes, cons
                                                    double iou_threshold, int64_t max_output,
                                                    const std::optional<at::Tensor>& idxs,
                                                    std::optional<double> score_threshold) {
-  opforge::nms::check_args("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output);
+  opforge::nms::check_padded_args("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold,
+                                  max_output);
   return nms_cuda_impl("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output,
                        max_output);
 }
