@@ -45,6 +45,7 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/conv_default.cpp",
         "csrc/cpu/conv_avx2.cpp",
         "csrc/cpu/conv_avx512.cpp",
+        "csrc/bench_noop.cpp",
     ],
     cuda_sources=[
         "csrc/cuda/add.cu",
