@@ -1,6 +1,6 @@
 // CUDA entry points of the conv family.
 //
-// Depthwise (groups == C): the direct kernels of cuda/conv_depthwise.cu,
+// Depthwise (groups == C): the direct kernels of cuda/conv_depthwise/,
 // forward and backward (grad x, grad weight, grad bias with the ReLU mask
 // applied as grad_out is read).
 // Dense (groups == 1) with ReLU: cuDNN's fused convolution + bias + ReLU

@@ -1,4 +1,4 @@
-// Depthwise 3x3 CUDA kernels (cuda/conv_depthwise.cu), called by cuda/conv.cu.
+// Depthwise 3x3 CUDA convolution (cuda/conv_depthwise/), called by cuda/conv.cu.
 // All tensors are contiguous in x's memory format (NCHW or NHWC); weight is
 // (K, 1, 3, 3) contiguous; the caller holds the device guard.
 #pragma once

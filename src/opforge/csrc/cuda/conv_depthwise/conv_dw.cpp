@@ -44,7 +44,7 @@ namespace {
 // grad x of a stride-1, multiplier-1 convolution is the stride-1 depthwise
 // convolution of the masked grad_out (N, C, Ho, Wo) with the kernel flipped
 // and padding 2 - pad, whose output is (N, C, H, W): the forward's tiled
-// kernels (staged with cp.async, at 70-90% of the H200's bandwidth) do it.
+// kernels (staged with cp.async) do it.
 // False where they do not apply (float64, NHWC with C % 4 != 0, alignment).
 template <typename scalar_t>
 bool try_backward_input_as_forward(const scalar_t* gm, const scalar_t* wflip, scalar_t* gx, const Geometry& g,
@@ -122,8 +122,8 @@ void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& resul
     // that copy grad_out into shared memory (grad x as a forward, the NHWC
     // weight gradient) take it as it is; the NCHW weight gradient, which
     // reads grad_out from global memory, masks it on the way when grad x is
-    // not asked for. (On the H200 staging grad_out for the NCHW weight
-    // gradient ran slower: the two stages halve the rows per block.)
+    // not asked for. (Staging grad_out for the NCHW weight gradient too
+    // would halve the rows per block: slower.)
     // The CPU and dense paths' mask too (conv.cpp), kept in x's layout.
     gm = relu_masked_grad(grad_out, result)
              .contiguous(nhwc ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);

@@ -134,11 +134,9 @@ __global__ void __launch_bounds__(kThreads, 1) dw_fwd_nchw(const scalar_t* __res
 // input row finishes one output row, continues the next and starts the one
 // after), adds the bias, applies ReLU and stores V values at once. A
 // channel multiplier loops over the same stage.
-// One tile per block. (Blocks walking several tiles with two stage buffers,
-// the next tile's copies in flight during the current one's compute, were
-// measured 5-25% slower on the H200 at every blocks-per-SM setting: these
-// kernels are bound by instruction issue more than by memory latency, and
-// the second buffer cost resident blocks.)
+// One tile per block: these kernels are bound by instruction issue more
+// than by memory latency, so a second stage buffer (the next tile's copies
+// in flight) would cost resident blocks for nothing (docs/ops/conv.md).
 // (Arguments: DwS1Args, conv_dw.h.)
 
 // The outputs of tile `tt` from its stage.

@@ -28,9 +28,8 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
   } else {
     DwS1NhwcArgs a;
     int threads;
-    // 32 rows for the half types (their tile is half the bytes; on the H200
-    // bfloat16 112x112 0.164 ms vs 0.170 with 16 rows, float32 0.251 vs
-    // 0.237), 16 for float32.
+    // 32 rows for the half types (their tile is half the bytes), 16 for
+    // float32 (docs/ops/conv.md, Design notes).
     if (!plan_nhwc_s1(g, sizeof(scalar_t), xp, op, sizeof(scalar_t) == 2 ? 32 : 16, a, threads)) return false;
     a.relu = relu;
     const int64_t blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;

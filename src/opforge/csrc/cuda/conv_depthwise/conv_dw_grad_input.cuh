@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __re
 // gx[n, c, ih, iw] = sum_{kh, kw} g'[n, c, ih + pad - kh, iw + pad - kw] * w[c, kh, kw]
 // (zero outside the output image), computed a row at a time with one
 // division per row instead of the general kernel's per-element index
-// arithmetic, which ran 3-5x slower than cuDNN's whole backward.
+// arithmetic (64-bit divisions are subroutine calls).
 // NCHW: warps take the N * C * H rows of grad x in turn, lanes along iw
 // (coalesced); the 9 taps read grad_out and result through L1.
 template <typename scalar_t>

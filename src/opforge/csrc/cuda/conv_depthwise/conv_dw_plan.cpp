@@ -94,9 +94,8 @@ bool plan_nchw_s1(const Geometry& g, int s, const void* xp, const void* op, bool
     }
   }
   a.store_vec = Wo % V == 0 && opforge::cuda::is_aligned(op, static_cast<size_t>(V) * s);
-  // Bands of output rows (balanced), runs of up to 12 rows per thread (on
-  // the H200, bfloat16 N64 C128 112x112: 12 rows 0.127 ms, 8 rows 0.141,
-  // 16 rows 0.135; within noise of the best on the other shapes measured).
+  // Bands of output rows (balanced), runs of up to 12 rows per thread (the
+  // best run length measured: docs/ops/conv.md, Design notes).
   a.bands = (Ho + max_rows - 1) / max_rows;
   a.BH = (Ho + a.bands - 1) / a.bands;
   a.bands = (Ho + a.BH - 1) / a.BH;
