@@ -1,5 +1,7 @@
 """opforge.softmax / log_softmax / scaled_masked_softmax and their fused backward ops."""
 
+import os
+
 import pytest
 import torch
 
@@ -204,8 +206,9 @@ def test_every_cpu_isa_build(capability):
     # fused backward ops and both mask kinds.
     code = """
 import torch, opforge
-tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-for dtype in tol:
+from reference import assert_within
+from softmax_bounds import backward_bound, forward_bound
+for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
     for K in (1, 7, 40, 128, 1000, 1031, 5000):
         x = (torch.randn(9, K, dtype=torch.float64) * 3).to(dtype)
         x[1, ::3] = -float("inf")
@@ -213,31 +216,34 @@ for dtype in tol:
         x[7] = -float("inf")
         for ours, theirs in ((opforge.softmax, torch.softmax), (opforge.log_softmax, torch.log_softmax)):
             expected = theirs(x.double(), -1).to(dtype)
-            torch.testing.assert_close(ours(x, -1), expected, atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
-            torch.testing.assert_close(ours(x.t(), 0), expected.t(), atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
+            log = ours is opforge.log_softmax
+            assert_within(ours(x, -1), expected, forward_bound(x.double(), -1, log, expected), equal_nan=True)
+            assert_within(ours(x.t(), 0), expected.t(), forward_bound(x.t().double(), 0, log, expected.t()), equal_nan=True)
         # the fused backward ops
         x, g = (torch.randn(6, K, dtype=torch.float64) * 3 for _ in range(2))
         y = torch.softmax(x, -1).to(dtype)
         expected = torch._softmax_backward_data(g.to(dtype).double(), y.double(), -1, torch.float64).to(dtype)
-        torch.testing.assert_close(torch.ops.opforge._softmax_backward(g.to(dtype), y, -1), expected, atol=tol[dtype], rtol=tol[dtype])
+        assert_within(torch.ops.opforge._softmax_backward(g.to(dtype), y, -1), expected, backward_bound("softmax", g.to(dtype), y, -1, expected))
         y = torch.log_softmax(x, -1).to(dtype)
         expected = torch._log_softmax_backward_data(g.to(dtype).double(), y.double(), -1, torch.float64).to(dtype)
-        scale = max(1.0, K / 1000)  # sum(dy) grows with the row
-        torch.testing.assert_close(torch.ops.opforge._log_softmax_backward(g.to(dtype), y, -1), expected, atol=tol[dtype] * scale, rtol=tol[dtype])
+        assert_within(torch.ops.opforge._log_softmax_backward(g.to(dtype), y, -1), expected, backward_bound("log_softmax", g.to(dtype), y, -1, expected))
         # scaled_masked_softmax with a bool and an additive mask (no row fully masked)
         xs = x.to(dtype)
         keep = torch.rand(6, K) < 0.7
         keep[:, 0] = True
         for mask, add in ((~keep, torch.zeros(6, K).masked_fill(~keep, -float("inf"))), (torch.randn(6, K).to(dtype), None)):
             add = mask.double() if add is None else add.double()
-            expected = torch.softmax(xs.double() * 0.37 + add, -1).to(dtype)
-            torch.testing.assert_close(opforge.scaled_masked_softmax(xs, mask, 0.37), expected, atol=tol[dtype], rtol=tol[dtype])
+            scores = xs.double() * 0.37 + add
+            expected = torch.softmax(scores, -1).to(dtype)
+            bound = forward_bound(scores, -1, False, expected, scores_rounded=True)
+            assert_within(opforge.scaled_masked_softmax(xs, mask, 0.37), expected, bound)
     if dtype in (torch.float16, torch.bfloat16):
         x = (torch.randn(64, 1000) * 3).to(dtype)
         assert (opforge.softmax(x, -1) == torch.softmax(x.double(), -1).to(dtype)).double().mean() >= 0.998, dtype
 print("ok")
 """
-    run_capped(capability, code)
+    # The subprocess imports the same bounds as the tests here.
+    run_capped(capability, f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n" + code)
 
 
 # --------------------------------------------------------------------------- scaled_masked_softmax
