@@ -63,7 +63,8 @@ def _summary_line(run: Run) -> str:
     env, s = run.environment, run.settings
     where = env.get("gpu") if s.device == "cuda" else f"{env['cpu']} ({env['cpu_cores']} cores)"
     load = env.get("load_avg_1m_start"), env.get("load_avg_1m")
-    return (f"opforge {env['opforge']} on {s.device} ({where}); torch {env['torch']}; "
+    return (f"opforge {env['opforge']} on {s.device} ({where}); torch {env['torch']}, "
+            f"torch threads: {env.get('torch_threads')}; "
             f"{s.repeats} loops of {s.calls} calls per provider; load average {load[0]} at the start, "
             f"{load[1]} at the end")
 
