@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import logging
 import os
 import sys
 from pathlib import Path
 
 from . import extension
-
-_NO_RUNTIME = "No CUDA runtime is found"
-
 
 def _torch_dir() -> Path:
     spec = importlib.util.find_spec("torch")  # a top-level find_spec imports nothing
@@ -92,32 +88,5 @@ def build_directory(name: str) -> Path:
     return Path(os.path.join(extensions_root(), name))
 
 
-class _DropNoRuntime(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(_NO_RUNTIME)
-
-
-def import_cpp_extension():
-    """``torch.utils.cpp_extension``, imported with CUDA_HOME set to opforge's
-    answer for the import (so torch's guess is never made) and without the
-    "No CUDA runtime is found" record: a missing GPU is reported by opforge
-    where it matters (``opforge doctor``, ``opforge info``)."""
-    module = sys.modules.get("torch.utils.cpp_extension")
-    if module is not None:
-        return module
-    saved = os.environ.get("CUDA_HOME")
-    home = extension.cuda_home()
-    if home:
-        os.environ["CUDA_HOME"] = home
-    logger = logging.getLogger("torch.utils.cpp_extension")
-    quiet = _DropNoRuntime()
-    logger.addFilter(quiet)
-    try:
-        from torch.utils import cpp_extension
-    finally:
-        logger.removeFilter(quiet)
-        if saved is None:  # the user's environment is left as it was (doctor reports on it)
-            os.environ.pop("CUDA_HOME", None)
-        else:
-            os.environ["CUDA_HOME"] = saved
-    return cpp_extension
+# Lives in extension.py, which setup.py loads by path; kept here under its public name.
+import_cpp_extension = extension.import_cpp_extension

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -216,21 +217,39 @@ def _arch_define(arch_list: str) -> str:
     return "_".join(a.strip().replace(".", "") for a in re.split(r"[;\s]+", arch_list) if a.strip())
 
 
-def _import_cpp_extension():
-    """torch.utils.cpp_extension without its import-time CUDA_HOME guess and
-    warning (opforge._cpp_extension); a plain import where this file was loaded
-    by path, as setup.py does (the build's output is filtered there)."""
-    if __package__:
-        from ._cpp_extension import import_cpp_extension
+class _DropNoRuntime(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
 
-        return import_cpp_extension()
-    from torch.utils import cpp_extension
 
+def import_cpp_extension():
+    """``torch.utils.cpp_extension``, imported with CUDA_HOME set to
+    :func:`cuda_home` for the import (so torch's guess is never made) and
+    without its "No CUDA runtime is found" record: a missing GPU is reported
+    where it matters (``opforge doctor``, ``opforge info``)."""
+    module = sys.modules.get("torch.utils.cpp_extension")
+    if module is not None:
+        return module
+    saved = os.environ.get("CUDA_HOME")
+    home = cuda_home()
+    if home:
+        os.environ["CUDA_HOME"] = home
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    quiet = _DropNoRuntime()
+    logger.addFilter(quiet)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        logger.removeFilter(quiet)
+        if saved is None:  # the user's environment is left as it was (doctor reports on it)
+            os.environ.pop("CUDA_HOME", None)
+        else:
+            os.environ["CUDA_HOME"] = saved
     return cpp_extension
 
 
 def _torch_defines_limited_api() -> bool:
-    cpp_extension = _import_cpp_extension()
+    cpp_extension = import_cpp_extension()
 
     return "-DPy_LIMITED_API=" in Path(cpp_extension.__file__).read_text()
 
@@ -337,7 +356,7 @@ def setup_extension(src: SourceSet, module_name: str):
     cached = enable_ccache()
     if cached:
         print(f"{src.name}: compiling through ccache ({cached})", file=sys.stderr)
-    cpp_extension = _import_cpp_extension()
+    cpp_extension = import_cpp_extension()
 
     cxx, nvcc = src.flags(decision.enabled, for_wheel=True)
     kind = cpp_extension.CUDAExtension if decision.enabled else cpp_extension.CppExtension
@@ -373,7 +392,7 @@ class BuildError(RuntimeError):
 
 def jit_build_directory(name: str) -> Path:
     """Where ``jit_load`` builds ``name``: under ``TORCH_EXTENSIONS_DIR`` or torch's default root."""
-    cpp_extension = _import_cpp_extension()
+    cpp_extension = import_cpp_extension()
 
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
@@ -404,7 +423,7 @@ def _build_lock(build_dir: Path, verbose: bool):
 def _torch_uses_kernel_lock() -> bool:
     # torch >= 2.14 takes an OS-level FileLock on the same path; its file
     # may stay behind harmlessly and must not be removed while held.
-    cpp_extension = _import_cpp_extension()
+    cpp_extension = import_cpp_extension()
 
     return hasattr(cpp_extension, "FileLock")
 
@@ -439,7 +458,7 @@ def jit_load(
     """
     import io
 
-    cpp_extension = _import_cpp_extension()
+    cpp_extension = import_cpp_extension()
 
     if with_cuda is None:
         decision = decide_cuda(src.cuda_env_var, require_gpu=require_gpu)
