@@ -743,12 +743,12 @@ def test_cuda_explicit_plans(dtype, K, plan):
     M, x = plan_rows(dtype, K)
     tpr, rpb, vectors, cluster = plan
     with poisoned("cuda"):
-        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), cluster)
+        y = torch.ops.opforge_bench.softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), cluster)
     check_fwd("softmax", y, x, -1)
     g = rand((M, K), dtype, "cuda")
     vectors = min(vectors, max_vectors(dtype, K, 2))
     with poisoned("cuda"):
-        gx = torch.ops.opforge._softmax_backward_plan(g, y, tpr, rpb, vectors, cluster)
+        gx = torch.ops.opforge_bench.softmax_backward_plan(g, y, tpr, rpb, vectors, cluster)
     check_bwd("softmax", gx, g, y, -1)
 
 
@@ -779,7 +779,7 @@ def test_cuda_resident_cluster_plans(dtype, K, plan):
     x[M - 1, K - 1] = float("inf")
     tpr, rpb, vectors = plan
     with poisoned("cuda"):
-        y = torch.ops.opforge._softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), True, True)
+        y = torch.ops.opforge_bench.softmax_plan(x, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), True, True)
     check_fwd("softmax", y, x, -1, equal_nan=True)
     assert y[2].isnan().all() and y[4].isnan().all() and y[M - 1].isnan().all() and not y[3].isnan().any()
     assert (y[3, : K // 2] == 0).all()
@@ -808,7 +808,7 @@ def test_cuda_backward_cluster_plans(dtype, K, plan):
     g = rand((M, K), dtype, "cuda")
     tpr, rpb, vectors = plan
     with poisoned("cuda"):
-        gx = torch.ops.opforge._softmax_backward_plan(g, y, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), True)
+        gx = torch.ops.opforge_bench.softmax_backward_plan(g, y, tpr, rpb, min(vectors, max_vectors(dtype, K, 1)), True)
     check_bwd("softmax", gx, g, y, -1)
 
 
@@ -831,14 +831,14 @@ def test_cuda_long_rows_default_plan(name, dtype, M, K):
 def test_cuda_explicit_plan_errors():
     x = torch.randn(4, 1024, device="cuda")
     with pytest.raises(ValueError, match="threads_per_row must be a power of two in \\[1, 512\\], got 48"):
-        torch.ops.opforge._softmax_plan(x, 48, 1, 1, False)
+        torch.ops.opforge_bench.softmax_plan(x, 48, 1, 1, False)
     with pytest.raises(ValueError, match="rows_per_block must be a power of two with rows_per_block x threads_per_row"):
-        torch.ops.opforge._softmax_plan(x, 256, 4, 1, False)
+        torch.ops.opforge_bench.softmax_plan(x, 256, 4, 1, False)
     with pytest.raises(ValueError, match="vectors_per_thread must be a power of two <= 16 .* got 32"):
-        torch.ops.opforge._softmax_plan(x, 32, 1, 32, False)
+        torch.ops.opforge_bench.softmax_plan(x, 32, 1, 32, False)
     with pytest.raises(ValueError, match="a plan that splits rows or keeps clusters resident needs one row per block"):
-        torch.ops.opforge._softmax_plan(x, 32, 4, 1, False)
+        torch.ops.opforge_bench.softmax_plan(x, 32, 4, 1, False)
     with pytest.raises(ValueError, match="threads_per_row must be in \\[1, 512\\], got 0"):
-        torch.ops.opforge._softmax_plan(x, 0, 1, 1, False)
+        torch.ops.opforge_bench.softmax_plan(x, 0, 1, 1, False)
     with pytest.raises(ValueError, match="persistent clusters need cluster=True"):
-        torch.ops.opforge._softmax_plan(x, 256, 1, 1, False, True)
+        torch.ops.opforge_bench.softmax_plan(x, 256, 1, 1, False, True)

@@ -25,7 +25,6 @@ SOURCES = extension.SourceSet(
     root=PACKAGE_DIR,
     cpu_sources=[
         "csrc/module.cpp",
-        "csrc/schemas.cpp",
         "csrc/add.cpp",
         "csrc/cpu/add_cpu.cpp",
         "csrc/cpu/add_default.cpp",
@@ -36,7 +35,8 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/nms_default.cpp",
         "csrc/cpu/nms_avx2.cpp",
         "csrc/cpu/nms_avx512.cpp",
-        "csrc/cpu/softmax.cpp",
+        "csrc/softmax.cpp",
+        "csrc/cpu/softmax_cpu.cpp",
         "csrc/cpu/softmax_default.cpp",
         "csrc/cpu/softmax_avx2.cpp",
         "csrc/cpu/softmax_avx512.cpp",

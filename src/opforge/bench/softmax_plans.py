@@ -5,8 +5,8 @@
 
 For each shape, dtype and mode it times, as device time with inputs rotated
 past the L2 cache (``timing.time_cuda``): every plan the kernels accept for
-that row length (``torch.ops.opforge._softmax_plan`` /
-``_softmax_backward_plan``: threads per row, rows per block, 16-byte vectors
+that row length (``torch.ops.opforge_bench.softmax_plan`` /
+``softmax_backward_plan``: threads per row, rows per block, 16-byte vectors
 per thread, cluster or two-pass split for rows longer than a block, and
 float32 forward clusters that stay resident and walk the rows; backward
 clusters hold y only, so they take up to the forward's vectors per thread), the
@@ -113,7 +113,7 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
             return (torch.randn(m, k, device="cuda", dtype=dtype),)
 
         providers = {"eager": lambda x: torch.softmax(x, -1), "default": opforge.softmax, "copy": lambda x: x.clone()}
-        plan_op = torch.ops.opforge._softmax_plan
+        plan_op = torch.ops.opforge_bench.softmax_plan
         arrays = 1
     else:
         nbytes = 3 * m * k * s
@@ -127,7 +127,7 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
             "default": lambda g, y: torch.ops.opforge._softmax_backward(g, y, -1),
             "copy": lambda g, y: g.add(y),
         }
-        plan_op = torch.ops.opforge._softmax_backward_plan
+        plan_op = torch.ops.opforge_bench.softmax_backward_plan
         arrays = 2
     if compiled:
         # torch.compile of eager's composition, the other baseline of `opforge bench`.

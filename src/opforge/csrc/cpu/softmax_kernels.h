@@ -1,6 +1,6 @@
 // CPU loops of the softmax family, compiled once per ISA by
 // softmax_{default,avx2,avx512}.cpp (which include cpu_isa_begin.h first);
-// cpu/softmax.cpp checks the arguments and picks the ISA.
+// cpu/softmax_cpu.cpp checks the arguments and picks the ISA.
 //
 // Inner-most dim (inner == 1): parallel over rows; each row is read once
 // from memory (max, then exp written to the output -- or to a float scratch

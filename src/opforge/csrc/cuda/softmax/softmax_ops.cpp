@@ -5,8 +5,8 @@
 // Inner-most dim (rows contiguous). Every launch follows a plan (threads per
 // row, rows per block, values per thread, how a long row is split; the
 // defaults in default_request come from timing every plan on an H200 with
-// bench/softmax_plans.py, which runs any plan through `_softmax_plan` /
-// `_softmax_backward_plan`):
+// bench/softmax_plans.py, which runs any plan through `opforge_bench.softmax_plan` /
+// `softmax_backward_plan`):
 //  * short rows: a warp, or a power-of-two slice of one, per row,
 //    reductions by shuffles only, several rows per block;
 //  * medium rows: a block per row, the row held in registers, so the input is
@@ -112,14 +112,14 @@ at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64
                              int64_t vectors_per_thread, bool cluster, bool persistent) {
   const gpu::PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent);
   return run_forward<sm::Mode::Softmax>(
-      sm::prepare_softmax("opforge._softmax_plan", sm::Mode::Softmax, x, -1, std::nullopt), &r);
+      sm::prepare_softmax("opforge_bench.softmax_plan", sm::Mode::Softmax, x, -1, std::nullopt), &r);
 }
 
 at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
                                       int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
   const gpu::PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
   return run_backward<sm::Mode::Softmax>(
-      sm::prepare_backward("opforge._softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
+      sm::prepare_backward("opforge_bench.softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
 }
 
 // Few columns over a reduced outer dim: a thread per column would leave
@@ -193,6 +193,9 @@ TORCH_LIBRARY_IMPL(opforge, CUDA, m) {
   m.impl("_softmax_backward", &softmax_backward_cuda);
   m.impl("_log_softmax_backward", &log_softmax_backward_cuda);
   m.impl("_scaled_masked_softmax_backward", &scaled_masked_softmax_backward_cuda);
-  m.impl("_softmax_plan", &softmax_plan_cuda);
-  m.impl("_softmax_backward_plan", &softmax_backward_plan_cuda);
+}
+
+TORCH_LIBRARY_IMPL(opforge_bench, CUDA, m) {
+  m.impl("softmax_plan", &softmax_plan_cuda);
+  m.impl("softmax_backward_plan", &softmax_backward_plan_cuda);
 }

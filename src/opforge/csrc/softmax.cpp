@@ -1,10 +1,8 @@
-// The softmax family's schemas. (The other families' live in csrc/<op>.cpp;
-// softmax's move to csrc/softmax.cpp once cpu/softmax.cpp no longer holds
-// that file name, which the JIT build needs unique.) Backward passes are ops
-// of their own so that opcheck and torch.compile see them.
+// The softmax family's home: its schemas (kernels: cpu/softmax_cpu.cpp and
+// cuda/softmax/; Python wrapper, fake kernels and autograd: ops/softmax.py).
+// Backward passes are ops of their own so that opcheck and torch.compile see them.
 #include <torch/library.h>
 
-// ---- softmax family (ops/softmax.py) ----------------------------------------
 TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // torch.softmax / torch.log_softmax over any dim; dtype= converts x first.
   m.def("softmax(Tensor x, int dim=-1, ScalarType? dtype=None) -> Tensor");
@@ -19,13 +17,16 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   m.def("_log_softmax_backward(Tensor grad, Tensor output, int dim) -> Tensor");
   // scale * y * (grad - sum(grad * y)) over the last dim.
   m.def("_scaled_masked_softmax_backward(Tensor grad, Tensor output, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_FRAGMENT(opforge_bench, m) {
   // CUDA only, for measuring launch plans (bench/softmax_plans.py):
   // softmax and its backward over the last dim with a given plan: threads
   // per row (or per chunk of a longer row), rows per block, 16-byte vectors
   // per thread, whether a row longer than one block may use a cluster, and
   // (forward) whether clusters stay resident and walk the rows.
-  m.def("_softmax_plan(Tensor x, int threads_per_row, int rows_per_block, int vectors_per_thread, bool cluster, "
+  m.def("softmax_plan(Tensor x, int threads_per_row, int rows_per_block, int vectors_per_thread, bool cluster, "
         "bool persistent=False) -> Tensor");
-  m.def("_softmax_backward_plan(Tensor grad, Tensor output, int threads_per_row, int rows_per_block, "
+  m.def("softmax_backward_plan(Tensor grad, Tensor output, int threads_per_row, int rows_per_block, "
         "int vectors_per_thread, bool cluster) -> Tensor");
 }
