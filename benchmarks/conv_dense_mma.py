@@ -64,10 +64,14 @@ def main():
     compiled = torch.compile(conv_relu)
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     peak = matrix_rate_tflops(dtype)
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.dtype}; "
-          f"matrix rate (torch.mm 8192^3): {peak:.0f} TFLOP/s")
-    header = (f"{'shape':<22} {'layout':<6} {'provider':<16} {'median ms':>10} {'p20-p80 ms':>15} "
-              f"{'TFLOP/s':>8} {'% rate':>7} {'vs cuDNN':>9} {'vs compile':>10}")
+    print(
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.dtype}; "
+        f"matrix rate (torch.mm 8192^3): {peak:.0f} TFLOP/s"
+    )
+    header = (
+        f"{'shape':<22} {'layout':<6} {'provider':<16} {'median ms':>10} {'p20-p80 ms':>15} "
+        f"{'TFLOP/s':>8} {'% rate':>7} {'vs cuDNN':>9} {'vs compile':>10}"
+    )
     print(header)
     print("-" * len(header))
 
@@ -77,8 +81,9 @@ def main():
             fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
             per_set = (n * c * h * w + n * k * h * w) * torch.finfo(dtype).bits // 8
             sets = max(1, math.ceil(3 * l2 / per_set))
-            xs = [torch.randn(n, c, h, w, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
-                  for _ in range(sets)]
+            xs = [
+                torch.randn(n, c, h, w, device="cuda", dtype=dtype).contiguous(memory_format=fmt) for _ in range(sets)
+            ]
             wt = (torch.randn(k, c, 3, 3, device="cuda", dtype=dtype) / (3 * c**0.5)).contiguous(memory_format=fmt)
             b = torch.randn(k, device="cuda", dtype=dtype)
 
@@ -122,9 +127,11 @@ def main():
                 tf = flops / (t.median_ms * 1e-3) / 1e12
                 vs_cudnn = times["cuDNN"].median_ms / t.median_ms
                 vs_comp = times["compile"].median_ms / t.median_ms
-                print(f"{shape:<22} {layout:<6} {name:<16} {t.median_ms:>10.4f} "
-                      f"{t.p20_ms:>7.4f}-{t.p80_ms:<7.4f} {tf:>8.1f} {100 * tf / peak:>6.1f}% "
-                      f"{vs_cudnn:>8.2f}x {vs_comp:>9.2f}x")
+                print(
+                    f"{shape:<22} {layout:<6} {name:<16} {t.median_ms:>10.4f} "
+                    f"{t.p20_ms:>7.4f}-{t.p80_ms:<7.4f} {tf:>8.1f} {100 * tf / peak:>6.1f}% "
+                    f"{vs_cudnn:>8.2f}x {vs_comp:>9.2f}x"
+                )
             print(f"{'':<22} {layout:<6} max |diff| / max|ref| vs cuDNN: opforge {d1:.2e}, compile {d2:.2e}")
 
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
+from seeding import CASE_ENV, base_seed, reproduce_line, seed_all, seed_for
 
 import opforge  # noqa: F401  (loads the kernels once for the whole session)
-from seeding import CASE_ENV, base_seed, reproduce_line, seed_all, seed_for
 
 
 def pytest_addoption(parser):
@@ -58,9 +58,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_generate_tests(metafunc):
     # Tests that take `device` run on the CPU and, marked `cuda`, on the GPU.
     if "device" in metafunc.fixturenames:
-        metafunc.parametrize(
-            "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-        )
+        metafunc.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -27,7 +27,9 @@ def picked_isa(capability: str, code: str) -> str:
     # The code's random draws follow the calling test's seed (set by conftest), as in-process ones do.
     seeded = "import os, torch\ntorch.manual_seed(int(os.environ.get('OPFORGE_TEST_CASE_SEED', '0')))\n"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-    proc = subprocess.run([sys.executable, "-c", seeded + code + picked], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", seeded + code + picked], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.split()
     assert lines[0] == "ok" and lines[-2] == "isa", proc.stdout

@@ -5,7 +5,6 @@ division or subtraction, the result rounded once (reference.TOLERANCES)."""
 from __future__ import annotations
 
 import torch
-
 from reference import TOLERANCES, sum_error, unit_roundoff
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
-import opforge
 from cpu_isa import native, picked_isa, run_capped
 from reference import DTYPES, poisoned, rand
+
+import opforge
 
 OPS = {
     "add": (opforge.add, lambda a, b: a + b),
@@ -74,8 +74,12 @@ def test_memory_format_follows_torch(name, device):
 @pytest.mark.parametrize("name", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_and_inf_as_torch(name, dtype, device):
-    a = torch.tensor([float("nan"), float("inf"), float("-inf"), float("inf"), 1.0, -1.0, float("nan")], dtype=dtype, device=device)
-    b = torch.tensor([1.0, 1.0, 1.0, float("-inf"), float("inf"), float("-inf"), float("nan")], dtype=dtype, device=device)
+    a = torch.tensor(
+        [float("nan"), float("inf"), float("-inf"), float("inf"), 1.0, -1.0, float("nan")], dtype=dtype, device=device
+    )
+    b = torch.tensor(
+        [1.0, 1.0, 1.0, float("-inf"), float("inf"), float("-inf"), float("nan")], dtype=dtype, device=device
+    )
     out = OPS[name][0](a, b)
     torch.testing.assert_close(out, OPS[name][1](a, b), equal_nan=True, atol=0, rtol=0)
 
@@ -138,7 +142,9 @@ def test_gradcheck(fn, sa, sb, device):
     assert torch.autograd.gradgradcheck(fn, (a, b))
 
 
-@pytest.mark.parametrize("fn,ref", [(opforge.add, lambda a, b: a + b), (opforge.add_relu, lambda a, b: torch.relu(a + b))])
+@pytest.mark.parametrize(
+    "fn,ref", [(opforge.add, lambda a, b: a + b), (opforge.add_relu, lambda a, b: torch.relu(a + b))]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward_matches_torch(fn, ref, dtype, device):
     a = rand((6, 1, 9), dtype, device).requires_grad_()

@@ -56,7 +56,9 @@ def families():
     added = {
         "_test_tiny": lambda device: [_make(device, "tiny", lambda x: torch.add(x * 2, 1), _tiny, grad_inputs=(0,))],
         "_test_wrong": lambda device: [_make(device, "tiny_wrong", wrong, _tiny, compile=False)],
-        "_test_wrong_grad": lambda device: [_make(device, "tiny_wrong_grad", _WrongGrad.apply, _tiny, grad_inputs=(0,), compile=False)],
+        "_test_wrong_grad": lambda device: [
+            _make(device, "tiny_wrong_grad", _WrongGrad.apply, _tiny, grad_inputs=(0,), compile=False)
+        ],
         "_test_nocompile": lambda device: [_make(device, "tiny_nocompile", _tiny, _tiny)],
     }
     registry._REGISTRY.update(added)
@@ -67,11 +69,40 @@ def families():
 
 def test_tiny_run_table_json_markdown_plot(families, tmp_path, capsys):
     paths = {k: tmp_path / f"r.{k}" for k in ("json", "md", "png")}
-    rc = cli.main(["bench", "_test_tiny", "--device", "cpu", "--quick", "--mode", "fwd,bwd", "--mode", "full",
-                   "--json", str(paths["json"]), "--markdown", str(paths["md"]), "--plot", str(paths["png"])])
+    rc = cli.main(
+        [
+            "bench",
+            "_test_tiny",
+            "--device",
+            "cpu",
+            "--quick",
+            "--mode",
+            "fwd,bwd",
+            "--mode",
+            "full",
+            "--json",
+            str(paths["json"]),
+            "--markdown",
+            str(paths["md"]),
+            "--plot",
+            str(paths["png"]),
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.out
-    for col in ("op", "shape", "dtype", "mode", "opforge ms", "eager ms", "compiled ms", "peer ms", "vs eager", "vs compiled", "% floor"):
+    for col in (
+        "op",
+        "shape",
+        "dtype",
+        "mode",
+        "opforge ms",
+        "eager ms",
+        "compiled ms",
+        "peer ms",
+        "vs eager",
+        "vs compiled",
+        "% floor",
+    ):
         assert col in out.out
     rows = [line for line in out.out.splitlines() if line.startswith("tiny ")]
     assert [r.split()[3] for r in rows] == ["fwd", "bwd", "full"]
@@ -89,7 +120,9 @@ def test_tiny_run_table_json_markdown_plot(families, tmp_path, capsys):
     assert data["copy_bandwidth_gbps"] > 0 and data["last_level_cache_bytes"] > 0
     assert len(data["results"]) == 3
     for r in data["results"]:
-        assert {"op", "shape", "dtype", "mode", "bytes", "providers", "speedup_vs_eager", "speedup_vs_compiled"} <= set(r)
+        assert {"op", "shape", "dtype", "mode", "bytes", "providers", "speedup_vs_eager", "speedup_vs_compiled"} <= set(
+            r
+        )
         assert set(r["providers"]) == {"opforge", "eager", "compiled"}
         for p in r["providers"].values():
             assert p["status"] == "ok", p
@@ -126,7 +159,9 @@ def test_wrong_kernel_is_reported_and_not_timed(families, capsys):
 
 
 def test_wrong_gradient_is_caught(families):
-    run = harness.run(harness.Settings(device="cpu", quick=True, modes=("fwd", "bwd"), ops=("_test_wrong_grad",)), progress=False)
+    run = harness.run(
+        harness.Settings(device="cpu", quick=True, modes=("fwd", "bwd"), ops=("_test_wrong_grad",)), progress=False
+    )
     status = {r.mode: r.providers["opforge"].status for r in run.results}
     assert status == {"fwd": "ok", "bwd": "WRONG"}
     assert "grad of input 0" in run.results[1].providers["opforge"].detail
@@ -140,7 +175,9 @@ def test_compile_error_is_reported_not_fatal(families, monkeypatch):
         return compiled
 
     monkeypatch.setattr(torch, "compile", failing_compile)
-    run = harness.run(harness.Settings(device="cpu", quick=True, modes=("fwd",), ops=("_test_nocompile",)), progress=False)
+    run = harness.run(
+        harness.Settings(device="cpu", quick=True, modes=("fwd",), ops=("_test_nocompile",)), progress=False
+    )
     (res,) = run.results
     assert res.providers["compiled"].status == "error"
     assert "refuses to compile" in res.providers["compiled"].detail
@@ -193,8 +230,17 @@ def test_info(capsys):
     text = info.report()
     import opforge
 
-    for needle in ("opforge      " + opforge.__version__, "torch        " + torch.__version__, "CUDA kernels",
-                   "CPU kernels", "add_relu", "_add_relu_backward", "bench cases", "JIT cache", "GPU"):
+    for needle in (
+        "opforge      " + opforge.__version__,
+        "torch        " + torch.__version__,
+        "CUDA kernels",
+        "CPU kernels",
+        "add_relu",
+        "_add_relu_backward",
+        "bench cases",
+        "JIT cache",
+        "GPU",
+    ):
         assert needle in text, needle
     from opforge import _loader
 
@@ -206,10 +252,24 @@ def test_info(capsys):
 def test_report_memory_columns():
     """Peak-memory columns appear when memory was measured (the GPU)."""
     p = lambda name, ms, mem: harness.ProviderResult(name, "ok", ms, ms, ms, mem, 1.0, 50.0)  # noqa: E731
-    res = harness.CaseResult("f", "op", "N=1", "float32", "fwd", 8, 0.0, 1,
-                             {"opforge": p("opforge", 1.0, 2 << 20), "eager": p("e", 2.0, 6 << 20), "compiled": p("c", 1.5, 4 << 20)})
-    run = harness.Run(harness.Settings(device="cuda"), {"gpu": "X", "opforge": "0", "torch": "0", "cuda": None,
-                                                        "date_utc": "-", "git_commit": None}, 100.0, 1 << 20, [res])
+    res = harness.CaseResult(
+        "f",
+        "op",
+        "N=1",
+        "float32",
+        "fwd",
+        8,
+        0.0,
+        1,
+        {"opforge": p("opforge", 1.0, 2 << 20), "eager": p("e", 2.0, 6 << 20), "compiled": p("c", 1.5, 4 << 20)},
+    )
+    run = harness.Run(
+        harness.Settings(device="cuda"),
+        {"gpu": "X", "opforge": "0", "torch": "0", "cuda": None, "date_utc": "-", "git_commit": None},
+        100.0,
+        1 << 20,
+        [res],
+    )
     header, rows = report.rows(run)
     assert header[-1] == "peak MiB opforge/eager/compiled" and rows[0][-1] == "2/6/4"
     assert rows[0][8] == "2.00x" and rows[0][9] == "1.50x" and rows[0][12] == "50%"
@@ -257,7 +317,9 @@ def test_broken_family_is_reported_not_fatal(families):
 
     registry._REGISTRY["_test_broken"] = broken
     try:
-        run = harness.run(harness.Settings(device="cpu", quick=True, ops=("_test_broken", "_test_wrong")), progress=False)
+        run = harness.run(
+            harness.Settings(device="cpu", quick=True, ops=("_test_broken", "_test_wrong")), progress=False
+        )
     finally:
         registry._REGISTRY.pop("_test_broken")
     assert [r.op for r in run.results] == ["tiny_wrong"]
@@ -266,32 +328,71 @@ def test_broken_family_is_reported_not_fatal(families):
     assert report.to_json(run)["problems"] == run.problems
 
 
-def _fake_run(*, load_start=None, load_end=None, env=None, p20=1.0, p80=1.1, pct_floor=50.0, nbytes=8 << 20,
-              device="cpu", cache=32 << 20, copy_ms=None, status="ok"):
+def _fake_run(
+    *,
+    load_start=None,
+    load_end=None,
+    env=None,
+    p20=1.0,
+    p80=1.1,
+    pct_floor=50.0,
+    nbytes=8 << 20,
+    device="cpu",
+    cache=32 << 20,
+    copy_ms=None,
+    status="ok",
+):
     """A one-row run with the given load averages, eager timing spread and opforge % of floor."""
+
     def prov(name, p20_ms, p80_ms, pct, st="ok"):
         return harness.ProviderResult(name, st, 1.0, p20_ms, p80_ms, None, 10.0, pct)
 
-    res = harness.CaseResult("add_relu", "add_relu", "N=2^20", "float32", "fwd", nbytes, 0.0, 4, {
-        "opforge": prov("opforge", 1.0, 1.1, pct_floor),
-        "eager": prov("slow_add", p20, p80, 20.0, status),
-    }, copy_ms=copy_ms)
-    environment = {"cpu": "X", "cpu_cores": 2, "usable_cores": 2, "cpu_isa": "AVX2", "opforge": "0", "torch": "0",
-                   "cuda": None, "gpu": "G", "date_utc": "-", "git_commit": None,
-                   "load_avg_1m_start": load_start, "load_avg_1m": load_end, **(env or {})}
+    res = harness.CaseResult(
+        "add_relu",
+        "add_relu",
+        "N=2^20",
+        "float32",
+        "fwd",
+        nbytes,
+        0.0,
+        4,
+        {
+            "opforge": prov("opforge", 1.0, 1.1, pct_floor),
+            "eager": prov("slow_add", p20, p80, 20.0, status),
+        },
+        copy_ms=copy_ms,
+    )
+    environment = {
+        "cpu": "X",
+        "cpu_cores": 2,
+        "usable_cores": 2,
+        "cpu_isa": "AVX2",
+        "opforge": "0",
+        "torch": "0",
+        "cuda": None,
+        "gpu": "G",
+        "date_utc": "-",
+        "git_commit": None,
+        "load_avg_1m_start": load_start,
+        "load_avg_1m": load_end,
+        **(env or {}),
+    }
     return harness.Run(harness.Settings(device=device), environment, 20.0, cache, [res])
 
 
-@pytest.mark.parametrize("start, end, env, expect", [
-    (1.0, 1.9, None, None),  # within the two cores
-    (2.0, 2.0, None, None),  # at the core count is not above it
-    (2.5, 1.0, None, "load average 2.5 at the start of the run, above its 2 cores"),
-    (0.5, 3.1, None, "load average 3.1 at the end of the run, above its 2 cores"),
-    (4.0, 3.9, None, "load average 4.0 at the start and 3.9 at the end"),
-    (1.5, None, {"usable_cores": 1, "cpu_cores": 8}, "1.5 at the start of the run, above its 1 cores"),  # affinity
-    (None, 2.5, {"usable_cores": None}, "2.5 at the end"),  # a run saved before usable_cores: all the cores
-    (None, None, None, None),  # no load average on this platform
-])
+@pytest.mark.parametrize(
+    "start, end, env, expect",
+    [
+        (1.0, 1.9, None, None),  # within the two cores
+        (2.0, 2.0, None, None),  # at the core count is not above it
+        (2.5, 1.0, None, "load average 2.5 at the start of the run, above its 2 cores"),
+        (0.5, 3.1, None, "load average 3.1 at the end of the run, above its 2 cores"),
+        (4.0, 3.9, None, "load average 4.0 at the start and 3.9 at the end"),
+        (1.5, None, {"usable_cores": 1, "cpu_cores": 8}, "1.5 at the start of the run, above its 1 cores"),  # affinity
+        (None, 2.5, {"usable_cores": None}, "2.5 at the end"),  # a run saved before usable_cores: all the cores
+        (None, None, None, None),  # no load average on this platform
+    ],
+)
 def test_busy_warning_from_load_average(start, end, env, expect):
     run = _fake_run(load_start=start, load_end=end, env=env)
     warning = noise.busy_warning(run)
@@ -307,13 +408,16 @@ def test_busy_warning_from_load_average(start, end, env, expect):
     assert md.count(warning) == 2
 
 
-@pytest.mark.parametrize("p20, p80, status, warned", [
-    (1.0, 1.4, "ok", False),
-    (1.0, 1.5, "ok", False),  # the limit itself passes
-    (1.0, 1.6, "ok", True),
-    (0.5, 2.0, "ok", True),
-    (1.0, None, "WRONG", False),  # a provider that was not timed has no spread
-])
+@pytest.mark.parametrize(
+    "p20, p80, status, warned",
+    [
+        (1.0, 1.4, "ok", False),
+        (1.0, 1.5, "ok", False),  # the limit itself passes
+        (1.0, 1.6, "ok", True),
+        (0.5, 2.0, "ok", True),
+        (1.0, None, "WRONG", False),  # a provider that was not timed has no spread
+    ],
+)
 def test_busy_warning_from_timing_spread(p20, p80, status, warned):
     run = _fake_run(p20=p20, p80=p80, status=status)
     warning = noise.busy_warning(run)
@@ -321,7 +425,10 @@ def test_busy_warning_from_timing_spread(p20, p80, status, warned):
         assert warning is None
         assert not noise.spreads(run)
         return
-    assert f"warning: unsteady timings: p80/p20 above 1.5 in 1 of 1 rows (worst {p80 / p20:.2f}, add_relu N=2^20 float32 fwd eager)" in warning
+    assert (
+        f"warning: unsteady timings: p80/p20 above 1.5 in 1 of 1 rows (worst {p80 / p20:.2f}, add_relu N=2^20 float32 fwd eager)"
+        in warning
+    )
     assert "busy" not in warning and "load average" not in warning  # the load was fine
     assert report.table(run).count(warning) == 2
 
@@ -338,7 +445,9 @@ def test_a_run_records_the_load_at_its_start_and_end(families, monkeypatch):
     assert noise.busy_warning(saved) == noise.busy_warning(run)  # --from-json warns alike
 
 
-@pytest.mark.parametrize("pct, shown", [(50.0, "50%"), (100.0, "100%"), (100.4, "100%"), (100.6, "101%"), (194.0, "194%")])
+@pytest.mark.parametrize(
+    "pct, shown", [(50.0, "50%"), (100.0, "100%"), (100.4, "100%"), (100.6, "101%"), (194.0, "194%")]
+)
 def test_above_the_floor_note_appears_exactly_above_100(pct, shown):
     run = _fake_run(pct_floor=pct)
     assert report.rows(run)[1][0][12] == shown
@@ -430,7 +539,6 @@ def test_from_json_redraws_a_saved_run(families, tmp_path, capsys):
         report.read_json(bad)
 
 
-
 @pytest.mark.parametrize("relu_output", [False, True])
 def test_relu_outputs_near_zero_compare_where_signs_agree(relu_output):
     # Inputs with exact zeros: eager's ReLU passes no gradient there, the
@@ -441,9 +549,16 @@ def test_relu_outputs_near_zero_compare_where_signs_agree(relu_output):
         x[::7] = 0.0
         return [x]
 
-    case = registry.BenchCase(op="nudged_relu", label="N=4096", dtype=torch.float32, make_inputs=make,
-                              ours=lambda x: torch.relu(x + 1e-30), eager=torch.relu, grad_inputs=(0,),
-                              relu_output=relu_output)
+    case = registry.BenchCase(
+        op="nudged_relu",
+        label="N=4096",
+        dtype=torch.float32,
+        make_inputs=make,
+        ours=lambda x: torch.relu(x + 1e-30),
+        eager=torch.relu,
+        grad_inputs=(0,),
+        relu_output=relu_output,
+    )
     if relu_output:
         harness._check_provider(case.ours, case, "bwd", case.eager)
     else:
@@ -472,10 +587,18 @@ def test_bwd_reference_gets_the_providers_incoming_gradient():
             seen[g.dtype] = g.detach().clone()
             return g * 8
 
-    case = registry.BenchCase(op="scale8", label="N=4096", dtype=torch.bfloat16,
-                              make_inputs=lambda: [torch.randn(4096, dtype=torch.bfloat16)],
-                              ours=Scale8.apply, eager=lambda x: x * 8, grad_inputs=(0,),
-                              reference=lambda x: Scale8.apply(x.double()), atol=0.0, rtol=0.0)
+    case = registry.BenchCase(
+        op="scale8",
+        label="N=4096",
+        dtype=torch.bfloat16,
+        make_inputs=lambda: [torch.randn(4096, dtype=torch.bfloat16)],
+        ours=Scale8.apply,
+        eager=lambda x: x * 8,
+        grad_inputs=(0,),
+        reference=lambda x: Scale8.apply(x.double()),
+        atol=0.0,
+        rtol=0.0,
+    )
     harness._check_provider(case.ours, case, "bwd", case.reference)
     assert torch.equal(seen[torch.float64], seen[torch.bfloat16].double())
 
@@ -497,8 +620,15 @@ def test_grad_atol_applies_to_the_named_input_only():
             x, s = ctx.saved_tensors
             return g * s, (g * x).sum() + 1e-3
 
-    base = registry.BenchCase(op="sum_off", label="N=64", dtype=torch.float32, make_inputs=make,
-                              ours=SumOff.apply, eager=lambda x, s: x * s, grad_inputs=(0, 1))
+    base = registry.BenchCase(
+        op="sum_off",
+        label="N=64",
+        dtype=torch.float32,
+        make_inputs=make,
+        ours=SumOff.apply,
+        eager=lambda x, s: x * s,
+        grad_inputs=(0, 1),
+    )
     with pytest.raises(AssertionError, match="grad of input 1"):
         harness._check_provider(base.ours, base, "bwd", base.eager)
     loose = dataclasses.replace(base, grad_atol={1: 1e-2})

@@ -15,9 +15,20 @@ def test_every_op_appears_with_and_without_grad(device):
     run = overhead.run(overhead.Settings(device=device, **TINY), progress=False)
     ops = [c.op for c in overhead_cases.cases()]
     assert [(r.op, r.grad) for r in run.rows] == [(op, g) for op in ops for g in (False, True)]
-    public = {"add", "add_relu", "softmax", "log_softmax", "scaled_masked_softmax", "nms", "batched_nms",
-              "nms_padded", "conv2d_3x3 dense", "conv2d_3x3 dense relu", "conv2d_3x3 depthwise",
-              "conv2d_3x3 depthwise relu"}
+    public = {
+        "add",
+        "add_relu",
+        "softmax",
+        "log_softmax",
+        "scaled_masked_softmax",
+        "nms",
+        "batched_nms",
+        "nms_padded",
+        "conv2d_3x3 dense",
+        "conv2d_3x3 dense relu",
+        "conv2d_3x3 depthwise",
+        "conv2d_3x3 depthwise relu",
+    }
     assert set(ops) == public
     for r in run.rows:
         assert r.status == "ok", (r.op, r.detail)
@@ -42,17 +53,26 @@ def test_floor_op_exists_and_returns_an_empty_tensor(device):
     noop = overhead.noop_op()
     assert str(noop.default._schema) == "opforge_bench::noop(Tensor x) -> Tensor"
     wrapper = overhead.make_noop_wrapper()
-    for x in (torch.randn(16, device=device), torch.randn(16, device=device, dtype=torch.float64,
-                                                          requires_grad=True)):
+    for x in (torch.randn(16, device=device), torch.randn(16, device=device, dtype=torch.float64, requires_grad=True)):
         for out in (noop(x), noop.default(x), wrapper(x)):
             assert out.numel() == 0 and out.shape == (0,)
             assert out.dtype == x.dtype and out.device == x.device
 
 
 def test_ratio_is_opforge_over_torch_from_the_medians():
-    row = overhead.Row(op="add", shape="16", grad=False, torch_name="torch.add", status="ok",
-                       providers={"opforge": overhead.Timed(3.0, 2.9, 3.1), "torch": overhead.Timed(1.5, 1.4, 1.6),
-                                  "floor_wrapper": overhead.Timed(2.0, 2.0, 2.0), "floor_direct": None})
+    row = overhead.Row(
+        op="add",
+        shape="16",
+        grad=False,
+        torch_name="torch.add",
+        status="ok",
+        providers={
+            "opforge": overhead.Timed(3.0, 2.9, 3.1),
+            "torch": overhead.Timed(1.5, 1.4, 1.6),
+            "floor_wrapper": overhead.Timed(2.0, 2.0, 2.0),
+            "floor_direct": None,
+        },
+    )
     assert row.ratio == 2.0
     run = overhead.Run(overhead.Settings(), {"cpu_cores": 2, "usable_cores": 2}, [row])
     assert overhead_report.rows(run)[0][3:8] == ["3.00", "1.50", "2.00", "2.00", "-"]
@@ -70,9 +90,15 @@ def test_a_sample_is_one_loop_over_its_calls_with_the_device_idle_at_both_ends()
 
 
 def test_wrong_result_is_reported_and_not_timed():
-    case = overhead_cases.OverheadCase(op="wrong", label="16", make_inputs=lambda d: [torch.randn(16)],
-                                       grad_inputs=(0,), ours=lambda x: x * 2, torch_fn=lambda x: x * 3,
-                                       torch_name="x * 3")
+    case = overhead_cases.OverheadCase(
+        op="wrong",
+        label="16",
+        make_inputs=lambda d: [torch.randn(16)],
+        grad_inputs=(0,),
+        ours=lambda x: x * 2,
+        torch_fn=lambda x: x * 3,
+        torch_name="x * 3",
+    )
     row = overhead.time_row(case, False, overhead.Settings(**TINY))
     assert row.status == "WRONG" and row.detail and all(t is None for t in row.providers.values())
     assert overhead_report.rows(overhead.Run(overhead.Settings(), {}, [row]))[0][3] == "WRONG"
@@ -80,9 +106,19 @@ def test_wrong_result_is_reported_and_not_timed():
 
 @pytest.mark.parametrize("load, spread, warned", [(1.0, 1.1, False), (3.5, 1.1, True), (1.0, 2.0, True)])
 def test_busy_warning_follows_the_harness_rule(load, spread, warned):
-    row = overhead.Row(op="add", shape="16", grad=True, torch_name="torch.add", status="ok",
-                       providers={"opforge": overhead.Timed(2.0, 1.0, spread), "torch": None,
-                                  "floor_wrapper": None, "floor_direct": None})
+    row = overhead.Row(
+        op="add",
+        shape="16",
+        grad=True,
+        torch_name="torch.add",
+        status="ok",
+        providers={
+            "opforge": overhead.Timed(2.0, 1.0, spread),
+            "torch": None,
+            "floor_wrapper": None,
+            "floor_direct": None,
+        },
+    )
     env = {"usable_cores": 2, "load_avg_1m_start": load, "load_avg_1m": 1.0}
     warning = overhead_report.busy_warning(overhead.Run(overhead.Settings(), env, [row]))
     assert (warning is not None) == warned

@@ -21,7 +21,11 @@ def run_python(code, env=None, timeout=900, cwd=None):
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=full_env, timeout=timeout, cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
     )
 
 
@@ -109,40 +113,61 @@ def no_kernels(tmp_path_factory):
     return root, {"PYTHONPATH": str(root), "OPFORGE_JIT": "0"}
 
 
-@pytest.mark.parametrize("code", [
-    "import torch, opforge",  # torch first: import opforge loads the kernels at once
-    "import opforge; opforge.add_relu",  # otherwise the first use of an op does
-    "from opforge import add_relu",
-    "from opforge import nn",
-    "import opforge.nn",
-    "import opforge; opforge.ops",
-    "from opforge.ops.softmax import softmax",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import torch, opforge",  # torch first: import opforge loads the kernels at once
+        "import opforge; opforge.add_relu",  # otherwise the first use of an op does
+        "from opforge import add_relu",
+        "from opforge import nn",
+        "import opforge.nn",
+        "import opforge; opforge.ops",
+        "from opforge.ops.softmax import softmax",
+    ],
+)
 def test_missing_compiled_module_is_an_import_error(no_kernels, code):
     root, env = no_kernels
     proc = run_python(code, env=env, cwd=root)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: opforge's compiled kernels (opforge._C) could not be loaded: No module named"), proc.stderr
+    assert last.startswith(
+        "ImportError: opforge's compiled kernels (opforge._C) could not be loaded: No module named"
+    ), proc.stderr
     assert "pip install --no-build-isolation -e ." in last and "OPFORGE_JIT=1" in last
 
 
-@pytest.mark.parametrize("argv, expect", [
-    (["cache", "path"], "opforge_C"),
-    (["doctor", "--no-kernels"], "[ OK ] compiler"),
-    (["new", "tknok", "--dir", "proj"], "created"),
-    (["ptxas", "--log", "empty.log"], "empty.log: 0 kernels"),
-])
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["cache", "path"], "opforge_C"),
+        (["doctor", "--no-kernels"], "[ OK ] compiler"),
+        (["new", "tknok", "--dir", "proj"], "created"),
+        (["ptxas", "--log", "empty.log"], "empty.log: 0 kernels"),
+    ],
+)
 def test_tooling_commands_run_without_kernels(no_kernels, tmp_path, argv, expect):
     root, env = no_kernels
     (tmp_path / "empty.log").write_text("")
-    proc = subprocess.run([sys.executable, "-m", "opforge", *argv], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={**os.environ, **env})
+    proc = subprocess.run(
+        [sys.executable, "-m", "opforge", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, **env},
+    )
     assert "ImportError" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert expect in proc.stdout, proc.stdout + proc.stderr
-    assert str(root / "opforge") in subprocess.run(  # the copy without kernels is the one that ran
-        [sys.executable, "-c", "import opforge; print(opforge.__file__)"], capture_output=True, text=True,
-        cwd=tmp_path, env={**os.environ, **env}).stdout
+    assert (
+        str(root / "opforge")
+        in subprocess.run(  # the copy without kernels is the one that ran
+            [sys.executable, "-c", "import opforge; print(opforge.__file__)"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, **env},
+        ).stdout
+    )
 
 
 def test_import_opforge_alone_imports_no_torch_and_binds_plain_attributes():
@@ -242,8 +267,10 @@ def test_cache_dir_is_torchs_answer_without_importing_torch(tmp_path, extensions
 
 
 def test_cache_path_command_is_quick_and_imports_no_torch():
-    code = ("import sys, time; t = time.perf_counter(); from opforge.cli import main; main(['cache', 'path']); "
-            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    code = (
+        "import sys, time; t = time.perf_counter(); from opforge.cli import main; main(['cache', 'path']); "
+        "print(time.perf_counter() - t, 'torch' in sys.modules)"
+    )
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     path, took, imported = proc.stdout.split()

@@ -15,10 +15,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-import opforge
 from cpu_isa import run_capped
 from reference import DTYPES, TOLERANCES, poisoned, rand
+
+import opforge
 
 # float32 on CUDA may use TF32 (dense path, like F.conv2d): both operands are
 # rounded to a 10-bit mantissa, so each product is off by up to ~2^-10
@@ -46,7 +46,9 @@ def assert_within_tf32_bound(out, x, w, b, stride, padding, groups, relu, produc
 
 
 def reference(x, w, b, stride, padding, groups, relu):
-    y = F.conv2d(x.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu(), stride, padding, 1, groups)
+    y = F.conv2d(
+        x.double().cpu(), w.double().cpu(), None if b is None else b.double().cpu(), stride, padding, 1, groups
+    )
     return torch.relu(y) if relu else y
 
 
@@ -72,7 +74,11 @@ def check(x, w, b, stride, padding, groups, relu):
     ref = reference(x, w, b, stride, padding, groups, relu)
     assert out.dtype == x.dtype and out.device == x.device
     assert out.shape == ref.shape, (out.shape, ref.shape)
-    fmt = torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format
+    fmt = (
+        torch.channels_last
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        else torch.contiguous_format
+    )
     assert out.is_contiguous(memory_format=fmt), (out.stride(), fmt)
     if x.dtype == torch.float32 and x.device.type == "cuda" and groups == 1 and torch.backends.cudnn.allow_tf32:
         assert_within_tf32_bound(out, x, w, b, stride, padding, groups, relu)
@@ -329,7 +335,9 @@ def test_errors(fn):
         call(x, w[:, :, 0, 0])
     with pytest.raises(ValueError, match=r"weight must have a 3x3 kernel .* got shape \[6, 4, 5, 5\]"):
         call(x, rand((6, 4, 5, 5)))
-    with pytest.raises(ValueError, match=r"weight must have C/groups = 4 input channels .* got weight shape \[6, 3, 3, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"weight must have C/groups = 4 input channels .* got weight shape \[6, 3, 3, 3\]"
+    ):
         call(x, rand((6, 3, 3, 3)))
     with pytest.raises(ValueError, match=r"groups must be 1 or the number of input channels \(4\), got 2"):
         call(x, rand((6, 2, 3, 3)), groups=2)
@@ -339,7 +347,10 @@ def test_errors(fn):
         call(x, w, stride=3)
     with pytest.raises(ValueError, match=r"padding must be 0 or 1, got 2"):
         call(x, w, padding=2)
-    with pytest.raises(TypeError, match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64|x and weight must have the same dtype, got x Float and weight Double"):
+    with pytest.raises(
+        TypeError,
+        match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64|x and weight must have the same dtype, got x Float and weight Double",
+    ):
         call(x, w.double())
     with pytest.raises(TypeError, match=r"x must be a float32, float64, float16 or bfloat16 tensor"):
         call(x.int(), w)
@@ -431,7 +442,11 @@ def test_backward_matches_torch(dtype, kind, stride, channels_last, device):
     atol, rtol = TOLERANCES[dtype]
     if dtype == torch.float32 and device == "cuda" and groups == 1 and torch.backends.cudnn.allow_tf32:
         atol, rtol = TF32_TOL
-    for ours, theirs, terms in ((x1.grad, x2.grad, 9 * k // groups), (w1.grad, w2.grad, 2 * 11 * 10), (b1.grad, b2.grad, 2 * 11 * 10)):
+    for ours, theirs, terms in (
+        (x1.grad, x2.grad, 9 * k // groups),
+        (w1.grad, w2.grad, 2 * 11 * 10),
+        (b1.grad, b2.grad, 2 * 11 * 10),
+    ):
         assert ours.dtype == dtype and ours.shape == theirs.shape
         torch.testing.assert_close(ours.cpu().double(), theirs, atol=atol * math.sqrt(terms), rtol=rtol)
 
@@ -591,7 +606,9 @@ def test_dense_backward_bias_and_mask(dtype, relu, channels_last, shape, device)
     g = rand(out.shape, dtype, device)
     with poisoned(device):
         gx, gw, gb = torch.ops.opforge._conv2d_3x3_backward(g, out if relu else None, x, w, 1, 1, 1, [True] * 3)
-        gb_again = torch.ops.opforge._conv2d_3x3_backward(g, out if relu else None, x, w, 1, 1, 1, [False, False, True])[2]
+        gb_again = torch.ops.opforge._conv2d_3x3_backward(
+            g, out if relu else None, x, w, 1, 1, 1, [False, False, True]
+        )[2]
     assert torch.equal(gb, gb_again)
     passed = g.double().cpu() * ((out.cpu() > 0).double() if relu else 1.0)
     x2, w2 = (t.detach().double().cpu().requires_grad_() for t in (x, w))
@@ -662,7 +679,8 @@ def test_opcheck(kind, dtype, channels_last, device):
     g = rand(out.shape, dtype, device)
     for mask in ([True, True, True], [False, True, False]):
         torch.library.opcheck(
-            torch.ops.opforge._conv2d_3x3_backward.default, (g, out, x.detach(), w.detach(), 1, 1, groups, mask),
+            torch.ops.opforge._conv2d_3x3_backward.default,
+            (g, out, x.detach(), w.detach(), 1, 1, groups, mask),
             test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
         )
 

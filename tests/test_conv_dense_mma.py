@@ -29,9 +29,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import poisoned
 
 import opforge  # noqa: F401  (registers the ops)
-from reference import poisoned
 
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 PROD_ERR = {torch.bfloat16: 0.0, torch.float16: 0.0, torch.float32: 2.0**-10 + 2.0**-20}
@@ -129,8 +129,11 @@ def sampled_cases(count, seed):
 
 def case_id(case):
     n, c, h, w, k, stride, padding, bias, relu, cl = case
-    return f"N{n}C{c}H{h}W{w}K{k}-s{stride}p{padding}" + ("-bias" if bias else "") + ("-relu" if relu else "") + (
-        "-cl" if cl else "-nchw"
+    return (
+        f"N{n}C{c}H{h}W{w}K{k}-s{stride}p{padding}"
+        + ("-bias" if bias else "")
+        + ("-relu" if relu else "")
+        + ("-cl" if cl else "-nchw")
     )
 
 
@@ -311,6 +314,7 @@ def test_cuda_graph_capture():
 
 
 # ---- cases the tensor-core path declines (the caller falls back) -------------
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(

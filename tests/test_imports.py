@@ -149,30 +149,36 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 def test_cycle_check_finds_cycles(tmp_path):
     pkg = tmp_path / "pkg"
-    _write(pkg, {
-        "__init__.py": "",
-        "a.py": "from . import b\n",
-        "b.py": "def f():\n    from .sub.c import g\n",  # a function-level import counts
-        "sub/__init__.py": "",
-        "sub/c.py": "import pkg.a\n",
-        "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import e\n",
-        "e.py": "from .d import x\n",  # d -> e only under TYPE_CHECKING: no cycle
-        "f.py": "from .a import something\n",  # into the cycle, not part of it
-        "notapkg/g.py": "from pkg import a\n",  # no __init__.py: not a module of the package
-    })
+    _write(
+        pkg,
+        {
+            "__init__.py": "",
+            "a.py": "from . import b\n",
+            "b.py": "def f():\n    from .sub.c import g\n",  # a function-level import counts
+            "sub/__init__.py": "",
+            "sub/c.py": "import pkg.a\n",
+            "d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import e\n",
+            "e.py": "from .d import x\n",  # d -> e only under TYPE_CHECKING: no cycle
+            "f.py": "from .a import something\n",  # into the cycle, not part of it
+            "notapkg/g.py": "from pkg import a\n",  # no __init__.py: not a module of the package
+        },
+    )
     graph = import_graph(pkg)
     assert "pkg.notapkg.g" not in graph
     assert graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.f"] == {"pkg.a"} and graph["pkg.d"] == set()
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
 
 
-@pytest.mark.parametrize("text, expect", [
-    ("from .. import a\n", {"pkg.a"}),  # a module of the parent
-    ("from .. import VERSION\n", {"pkg"}),  # a name in the parent's __init__
-    ("from ..a import thing\n", {"pkg.a"}),
-    ("import pkg.sub\n", {"pkg.sub"}),
-    ("from .. import _C\n", {"pkg._C"}),  # a compiled extension module
-])
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("from .. import a\n", {"pkg.a"}),  # a module of the parent
+        ("from .. import VERSION\n", {"pkg"}),  # a name in the parent's __init__
+        ("from ..a import thing\n", {"pkg.a"}),
+        ("import pkg.sub\n", {"pkg.sub"}),
+        ("from .. import _C\n", {"pkg._C"}),  # a compiled extension module
+    ],
+)
 def test_relative_and_absolute_imports_resolve(tmp_path, text, expect):
     pkg = tmp_path / "pkg"
     _write(pkg, {"__init__.py": "", "a.py": "", "_C.abi3.so": "", "sub/__init__.py": "", "sub/m.py": text})

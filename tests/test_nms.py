@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 import torchvision
+from reference import DTYPES, poisoned
 from torchvision.ops.boxes import _batched_nms_vanilla
 
 import opforge
-from reference import DTYPES, poisoned
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -29,7 +29,9 @@ def rand_boxes(n, dtype=torch.float32, device="cpu", img=1000.0, wmin=4.0, wmax=
 
 def rand_scores(n, dtype=torch.float32, device="cpu"):
     """Distinct in float32/float64 (a permutation), so torchvision's order is defined."""
-    return ((torch.randperm(n, dtype=torch.float64) + torch.rand(1, dtype=torch.float64)) / max(n, 1)).to(dtype).to(device)
+    return (
+        ((torch.randperm(n, dtype=torch.float64) + torch.rand(1, dtype=torch.float64)) / max(n, 1)).to(dtype).to(device)
+    )
 
 
 def ref_nms(boxes, scores, thr, idxs=None, score_threshold=None, max_output=None):
@@ -69,7 +71,7 @@ def check(boxes, scores, thr, idxs=None, **kw):
     assert padded.shape == (k,) and count.shape == () and count.dtype == torch.int64
     assert count.item() == expected.numel()
     assert torch.equal(padded[: expected.numel()].cpu(), expected)
-    assert bool((padded[expected.numel():] == -1).all())
+    assert bool((padded[expected.numel() :] == -1).all())
     return out
 
 
@@ -114,7 +116,7 @@ def test_empty(device):
 def test_just_above_and_below_threshold(thr, dtype, device):
     # Box k+1 lies inside box 0 with IoU = its width / 10 (exact in binary for
     # these widths): IoU = thr +- 2^-12 for the two halves.
-    eps = 2.0 ** -12
+    eps = 2.0**-12
     ious = []
     rows = [[0.0, 0.0, 10.0, 10.0]]
     for k in range(20):
@@ -193,8 +195,13 @@ def test_zero_area_and_inverted_boxes(device):
 def test_nan_policy(device):
     nan = float("nan")
     boxes = torch.tensor(
-        [[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0], [nan, 0.0, 10.0, 10.0], [1.0, 1.0, 10.0, 10.0],
-         [0.0, 0.0, 10.0, 10.0]],
+        [
+            [0.0, 0.0, 10.0, 10.0],
+            [0.0, 0.0, 10.0, 10.0],
+            [nan, 0.0, 10.0, 10.0],
+            [1.0, 1.0, 10.0, 10.0],
+            [0.0, 0.0, 10.0, 10.0],
+        ],
         device=device,
     )
     scores = torch.tensor([0.9, nan, 0.95, 0.8, 0.7], device=device)
@@ -283,20 +290,44 @@ def _args(device="cpu"):
         (lambda b, s: opforge.nms(b[:, :3], s, 0.5), ValueError, "boxes must have shape (N, 4), got (5, 3)"),
         (lambda b, s: opforge.nms(b[None], s, 0.5), ValueError, "boxes must have shape (N, 4)"),
         (lambda b, s: opforge.nms(b, s[None], 0.5), ValueError, "scores must have shape (N,), got (1, 5)"),
-        (lambda b, s: opforge.nms(b, s[:4], 0.5), ValueError, "boxes and scores must have the same length, got boxes with 5 and scores with 4"),
-        (lambda b, s: opforge.nms(b.long(), s, 0.5), TypeError, "boxes must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"),
+        (
+            lambda b, s: opforge.nms(b, s[:4], 0.5),
+            ValueError,
+            "boxes and scores must have the same length, got boxes with 5 and scores with 4",
+        ),
+        (
+            lambda b, s: opforge.nms(b.long(), s, 0.5),
+            TypeError,
+            "boxes must be a float32, float64, float16 or bfloat16 tensor, got torch.int64",
+        ),
         (lambda b, s: opforge.nms(b, s.int(), 0.5), TypeError, "scores must be a float32"),
         (lambda b, s: opforge.nms(b.tolist(), s, 0.5), TypeError, "boxes must be a torch.Tensor, got list"),
         (lambda b, s: opforge.nms(b, s, 1.5), ValueError, "iou_threshold must be in [0, 1], got 1.5"),
         (lambda b, s: opforge.nms(b, s, -0.1), ValueError, "iou_threshold must be in [0, 1]"),
         (lambda b, s: opforge.nms(b, s, float("nan")), ValueError, "iou_threshold must be in [0, 1], got nan"),
         (lambda b, s: opforge.nms(b, s, "0.5"), TypeError, "iou_threshold must be a number, got str"),
-        (lambda b, s: opforge.nms(b, s, 0.5, score_threshold=float("nan")), ValueError, "score_threshold must not be NaN"),
+        (
+            lambda b, s: opforge.nms(b, s, 0.5, score_threshold=float("nan")),
+            ValueError,
+            "score_threshold must not be NaN",
+        ),
         (lambda b, s: opforge.nms(b, s, 0.5, max_output=-1), ValueError, "max_output must be >= 0, got -1"),
         (lambda b, s: opforge.nms(b, s, 0.5, max_output=2.0), TypeError, "max_output must be an int, got float"),
-        (lambda b, s: opforge.batched_nms(b, s, torch.zeros(5), 0.5), TypeError, "idxs must be an int64 or int32 tensor, got torch.float32"),
-        (lambda b, s: opforge.batched_nms(b, s, torch.zeros(4, dtype=torch.long), 0.5), ValueError, "boxes and idxs must have the same length, got boxes with 5 and idxs with 4"),
-        (lambda b, s: opforge.batched_nms(b, s, torch.zeros(5, 1, dtype=torch.long), 0.5), ValueError, "idxs must have shape (N,)"),
+        (
+            lambda b, s: opforge.batched_nms(b, s, torch.zeros(5), 0.5),
+            TypeError,
+            "idxs must be an int64 or int32 tensor, got torch.float32",
+        ),
+        (
+            lambda b, s: opforge.batched_nms(b, s, torch.zeros(4, dtype=torch.long), 0.5),
+            ValueError,
+            "boxes and idxs must have the same length, got boxes with 5 and idxs with 4",
+        ),
+        (
+            lambda b, s: opforge.batched_nms(b, s, torch.zeros(5, 1, dtype=torch.long), 0.5),
+            ValueError,
+            "idxs must have shape (N,)",
+        ),
         (lambda b, s: opforge.nms_padded(b, s, 0.5, None), TypeError, "max_output must be an int, got NoneType"),
         (lambda b, s: opforge.nms_padded(b, s, 0.5, -3), ValueError, "max_output must be >= 0, got -3"),
     ],
@@ -317,8 +348,16 @@ def test_errors(call, exc, text):
         (lambda b, s: torch.ops.opforge.nms(b.long(), s, 0.5), TypeError, "opforge.nms: boxes must be a float32"),
         (lambda b, s: torch.ops.opforge.nms(b, s, 2.0), ValueError, "iou_threshold must be in [0, 1], got 2"),
         (lambda b, s: torch.ops.opforge.nms(b, s, 0.5, max_output=-1), ValueError, "max_output must be >= 0"),
-        (lambda b, s: torch.ops.opforge.batched_nms(b, s, torch.zeros(5), 0.5), TypeError, "idxs must be an int64 or int32 tensor"),
-        (lambda b, s: torch.ops.opforge.nms_padded(b, s, 0.5, -1), ValueError, "opforge.nms_padded: max_output must be >= 0"),
+        (
+            lambda b, s: torch.ops.opforge.batched_nms(b, s, torch.zeros(5), 0.5),
+            TypeError,
+            "idxs must be an int64 or int32 tensor",
+        ),
+        (
+            lambda b, s: torch.ops.opforge.nms_padded(b, s, 0.5, -1),
+            ValueError,
+            "opforge.nms_padded: max_output must be >= 0",
+        ),
     ],
 )
 def test_errors_in_the_kernel(call, exc, text):
@@ -333,8 +372,10 @@ def test_nms_padded_max_output_too_large(device):
     """The padded output has max_output entries: past 2**31 - 1 the wrapper, the
     kernel and the fake kernel refuse it by name, before any allocation."""
     b, s = _args(device)
-    text = (r"opforge.nms_padded: max_output must be at most 2147483647 \(the length of the padded output\), "
-            r"got 1000000000000000")
+    text = (
+        r"opforge.nms_padded: max_output must be at most 2147483647 \(the length of the padded output\), "
+        r"got 1000000000000000"
+    )
     for call in (opforge.nms_padded, torch.ops.opforge.nms_padded):
         with pytest.raises(ValueError, match=text):
             call(b, s, 0.5, 10**15)
@@ -345,7 +386,7 @@ def test_nms_padded_max_output_too_large(device):
         with pytest.raises(ValueError, match=text):
             torch.ops.opforge.nms_padded(fb, fs, 0.5, 10**15)
     padded, count = opforge.nms_padded(b, s, 0.5, 7)  # below the bound: as before
-    assert padded.shape == (7,) and int(count) <= 5 and (padded[int(count):] == -1).all()
+    assert padded.shape == (7,) and int(count) <= 5 and (padded[int(count) :] == -1).all()
 
 
 @pytest.mark.cuda
@@ -467,8 +508,7 @@ def test_cuda_vs_torchvision_cuda_integer_boxes(n):
     scores = rand_scores(n, device="cuda")  # distinct: torchvision's sort is not stable
     assert torch.equal(opforge.nms(boxes, scores, 0.5), torchvision.ops.nms(boxes, scores, 0.5))
     idxs = torch.randint(0, 80, (n,), device="cuda")
-    assert torch.equal(opforge.batched_nms(boxes, scores, idxs, 0.5),
-                       _batched_nms_vanilla(boxes, scores, idxs, 0.5))
+    assert torch.equal(opforge.batched_nms(boxes, scores, idxs, 0.5), _batched_nms_vanilla(boxes, scores, idxs, 0.5))
 
 
 @pytest.mark.cuda
@@ -479,8 +519,10 @@ def test_cuda_matches_cpu(dtype):
     idxs = torch.randint(0, 10, (5000,))
     for thr in (0.3, 0.5, 0.7):
         assert torch.equal(opforge.nms(boxes.cuda(), scores.cuda(), thr).cpu(), opforge.nms(boxes, scores, thr))
-        assert torch.equal(opforge.batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), thr).cpu(),
-                           opforge.batched_nms(boxes, scores, idxs, thr))
+        assert torch.equal(
+            opforge.batched_nms(boxes.cuda(), scores.cuda(), idxs.cuda(), thr).cpu(),
+            opforge.batched_nms(boxes, scores, idxs, thr),
+        )
 
 
 @pytest.mark.cuda

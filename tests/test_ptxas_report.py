@@ -47,9 +47,11 @@ def test_verbose_build_flag(monkeypatch):
 @pytest.mark.skipif(extension.find_nvcc() is None, reason="needs nvcc")
 def test_compile_a_file(tmp_path, capsys):
     cu = tmp_path / "scale.cu"
-    cu.write_text("__global__ void scale(float* x, float a, int n) {\n"
-                  "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
-                  "  if (i < n) x[i] *= a;\n}\n")
+    cu.write_text(
+        "__global__ void scale(float* x, float a, int n) {\n"
+        "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "  if (i < n) x[i] *= a;\n}\n"
+    )
     (kernel,) = ptxas_report.parse(ptxas_report.compile_report(cu, "90"))
     assert kernel.arch == "sm_90" and kernel.registers > 0 and not kernel.spills
     assert ptxas_report.main([str(cu)]) == 0

@@ -4,11 +4,11 @@ import os
 
 import pytest
 import torch
+from cpu_isa import run_capped
+from reference import DTYPES, assert_close, assert_within, poisoned, rand
+from softmax_bounds import backward_bound, forward_bound
 
 import opforge
-from cpu_isa import run_capped
-from reference import DTYPES, TOLERANCES, assert_close, assert_within, poisoned, rand
-from softmax_bounds import backward_bound, forward_bound
 
 INF = float("inf")
 NAN = float("nan")
@@ -38,7 +38,29 @@ SHAPES = [
 ]
 # Row lengths that cross every CUDA path boundary (sub-warp, warp, block,
 # split into chunks), with and without a multiple of the vector width.
-ROW_LENGTHS = [1, 2, 3, 8, 31, 32, 33, 127, 128, 255, 1000, 1024, 1031, 2048, 4104, 8192, 16384, 32768, 32776, 70001, 100000]
+ROW_LENGTHS = [
+    1,
+    2,
+    3,
+    8,
+    31,
+    32,
+    33,
+    127,
+    128,
+    255,
+    1000,
+    1024,
+    1031,
+    2048,
+    4104,
+    8192,
+    16384,
+    32768,
+    32776,
+    70001,
+    100000,
+]
 
 
 def ref(name, x, dim, dtype=None):
@@ -370,7 +392,9 @@ def test_bad_inputs_raise_clear_errors(name):
     fn = OPS[name][0]
     op = f"opforge.{name}"
     raw = getattr(torch.ops.opforge, name)
-    with pytest.raises(TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"):
+    with pytest.raises(
+        TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"
+    ):
         fn(torch.arange(3))
     with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got list"):
         fn([1.0, 2.0])
@@ -381,7 +405,9 @@ def test_bad_inputs_raise_clear_errors(name):
     with pytest.raises(TypeError, match=r"dtype must be float32, float64, float16, bfloat16 or None, got torch.int32"):
         fn(torch.randn(3), 0, torch.int32)
     # The C++ kernel checks the same things when the wrapper is skipped.
-    with pytest.raises(TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"):
+    with pytest.raises(
+        TypeError, match=rf"{op}: x must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"
+    ):
         raw(torch.arange(3))
     with pytest.raises(IndexError, match=rf"{op}: dim must be in \[-2, 1\] for a 2-d x, got -3"):
         raw(torch.randn(2, 3), -3)
@@ -402,7 +428,10 @@ def test_scaled_masked_bad_inputs():
         f(x, torch.zeros(3, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"mask with shape \[1, 2, 3, 4\] is not broadcastable"):
         f(x, torch.zeros(1, 2, 3, 4, dtype=torch.bool))
-    with pytest.raises(TypeError, match=r"mask must be a bool tensor \(True = masked out\) or an additive float mask of x's dtype \(torch.float32\), got torch.float64"):
+    with pytest.raises(
+        TypeError,
+        match=r"mask must be a bool tensor \(True = masked out\) or an additive float mask of x's dtype \(torch.float32\), got torch.float64",
+    ):
         f(x, torch.zeros(4, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"mask must be a bool tensor .* got torch.int64"):
         f(x, torch.zeros(4, dtype=torch.int64))
@@ -413,7 +442,9 @@ def test_scaled_masked_bad_inputs():
     with pytest.raises(TypeError, match=r"causal must be a bool, got int"):
         f(x, None, 1.0, 1)
     # C++ checks, wrapper skipped.
-    with pytest.raises(ValueError, match=rf"{op}: mask with shape \[3, 5\] is not broadcastable to x with shape \[2, 3, 4\]"):
+    with pytest.raises(
+        ValueError, match=rf"{op}: mask with shape \[3, 5\] is not broadcastable to x with shape \[2, 3, 4\]"
+    ):
         raw(x, torch.zeros(3, 5, dtype=torch.bool))
     with pytest.raises(TypeError, match=r"mask must be a bool tensor .*x's dtype \(Float\), got Double"):
         raw(x, torch.zeros(4, dtype=torch.float64))
@@ -423,9 +454,13 @@ def test_scaled_masked_bad_inputs():
 def test_backward_op_bad_inputs(op):
     raw = getattr(torch.ops.opforge, op)
     y = torch.softmax(torch.randn(3, 4), -1)
-    with pytest.raises(ValueError, match=r"grad and output must have the same shape, got grad \[3, 5\] and output \[3, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"grad and output must have the same shape, got grad \[3, 5\] and output \[3, 4\]"
+    ):
         raw(torch.randn(3, 5), y, -1)
-    with pytest.raises(TypeError, match=r"grad and output must have the same dtype, got grad .*Double.* and output .*Float"):
+    with pytest.raises(
+        TypeError, match=r"grad and output must have the same dtype, got grad .*Double.* and output .*Float"
+    ):
         raw(torch.randn(3, 4, dtype=torch.float64), y, -1)
     with pytest.raises(IndexError, match=r"dim must be in \[-2, 1\] for a 2-d output, got 4"):
         raw(torch.randn(3, 4), y, 4)

@@ -34,26 +34,29 @@ def run(cmd, cwd, env, timeout=900):
 # --------------------------------------------------------------------------- opforge new
 
 
-@pytest.mark.parametrize("bad, reason", [
-    ("1abc", "must be a Python identifier"),
-    ("my-op", "must be a Python identifier"),
-    ("", "must be a Python identifier"),
-    ("café", "ASCII"),
-    ("class", "not a Python keyword"),
-    ("tests", "the project's own tests/ folder"),
-    ("build", "ignored by the project's .gitignore"),
-    ("json", "standard library"),
-    ("os", "standard library"),
-    ("numpy", r"importable module \(.*numpy.*installing the project would overwrite it"),  # torch imports numpy
-    ("torch", r"importable module \(.*torch"),
-    ("opforge", r"importable module \(.*opforge"),
-    ("aten", "one of torch's op namespaces"),
-    ("prim", "one of torch's op namespaces"),
-    ("load_library", "an attribute of torch.ops"),
-    ("int", r"C\+\+ keyword"),
-    ("at", r"ATen.s C\+\+ namespace"),
-    ("std", r"standard library's C\+\+ namespace"),
-])
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("1abc", "must be a Python identifier"),
+        ("my-op", "must be a Python identifier"),
+        ("", "must be a Python identifier"),
+        ("café", "ASCII"),
+        ("class", "not a Python keyword"),
+        ("tests", "the project's own tests/ folder"),
+        ("build", "ignored by the project's .gitignore"),
+        ("json", "standard library"),
+        ("os", "standard library"),
+        ("numpy", r"importable module \(.*numpy.*installing the project would overwrite it"),  # torch imports numpy
+        ("torch", r"importable module \(.*torch"),
+        ("opforge", r"importable module \(.*opforge"),
+        ("aten", "one of torch's op namespaces"),
+        ("prim", "one of torch's op namespaces"),
+        ("load_library", "an attribute of torch.ops"),
+        ("int", r"C\+\+ keyword"),
+        ("at", r"ATen.s C\+\+ namespace"),
+        ("std", r"standard library's C\+\+ namespace"),
+    ],
+)
 def test_new_rejects_names_that_clash_and_says_why(bad, reason, tmp_path):
     with pytest.raises(scaffold.ScaffoldError, match=reason) as info:
         scaffold.create(bad, tmp_path / "p")
@@ -91,11 +94,25 @@ def test_new_renders_a_complete_project(kind, tmp_path):
     dest = scaffold.create("tkfiles", tmp_path / "proj", kind=kind)
     op = KINDS[kind]
     files = {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()}
-    for expected in ("pyproject.toml", "setup.py", "README.md", "bench.py", ".gitignore", "tests/conftest.py",
-                     f"tests/test_{op}.py", "tkfiles/__init__.py", "tkfiles/_build.py", "tkfiles/ops.py",
-                     "tkfiles/nn.py", "tkfiles/csrc/schemas.cpp", "tkfiles/csrc/module.cpp",
-                     f"tkfiles/csrc/cpu/{op}.cpp", f"tkfiles/csrc/cpu/{op}_kernels.h",
-                     f"tkfiles/csrc/cpu/{op}_avx512.cpp", f"tkfiles/csrc/cuda/{op}_cuda.cu"):
+    for expected in (
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+        "bench.py",
+        ".gitignore",
+        "tests/conftest.py",
+        f"tests/test_{op}.py",
+        "tkfiles/__init__.py",
+        "tkfiles/_build.py",
+        "tkfiles/ops.py",
+        "tkfiles/nn.py",
+        "tkfiles/csrc/schemas.cpp",
+        "tkfiles/csrc/module.cpp",
+        f"tkfiles/csrc/cpu/{op}.cpp",
+        f"tkfiles/csrc/cpu/{op}_kernels.h",
+        f"tkfiles/csrc/cpu/{op}_avx512.cpp",
+        f"tkfiles/csrc/cuda/{op}_cuda.cu",
+    ):
         assert expected in files, (expected, sorted(files))
     for path in dest.rglob("*"):
         if path.is_file():
@@ -113,14 +130,22 @@ def test_new_renders_a_complete_project(kind, tmp_path):
 
 def test_new_cli(tmp_path):
     env = project_env(tmp_path / "ext")
-    proc = run([sys.executable, "-m", "opforge", "new", "tkcli", "--dir", str(tmp_path / "p"), "--kind", "rowwise"],
-               tmp_path, env, timeout=120)
+    proc = run(
+        [sys.executable, "-m", "opforge", "new", "tkcli", "--dir", str(tmp_path / "p"), "--kind", "rowwise"],
+        tmp_path,
+        env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "created" in proc.stdout and f"{sys.executable} -m pytest -q tests" in proc.stdout
     assert (tmp_path / "p" / "tkcli" / "ops.py").is_file()
-    proc = run([sys.executable, "-m", "opforge", "new", "tkcli", "--dir", str(tmp_path / "p")], tmp_path, env, timeout=120)
+    proc = run(
+        [sys.executable, "-m", "opforge", "new", "tkcli", "--dir", str(tmp_path / "p")], tmp_path, env, timeout=120
+    )
     assert proc.returncode == 2 and "exists and is not empty" in proc.stderr
-    proc = run([sys.executable, "-m", "opforge", "new", "numpy", "--dir", str(tmp_path / "q")], tmp_path, env, timeout=120)
+    proc = run(
+        [sys.executable, "-m", "opforge", "new", "numpy", "--dir", str(tmp_path / "q")], tmp_path, env, timeout=120
+    )
     assert proc.returncode == 2 and "opforge new: NAME 'numpy' is already an importable module" in proc.stderr
 
 
@@ -134,8 +159,15 @@ def test_new_next_steps_name_a_python_that_has_torch_and_opforge(tmp_path):
     # through it); run it from a fresh shell's environment, in the project folder.
     runner = commands[1].split(" -m pytest")[0]
     fresh = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/")}
-    proc = subprocess.run(f"{runner} -c 'import torch, pytest, opforge.extension; print(torch.__version__)'", shell=True,
-                          cwd=dest, env=fresh, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        f"{runner} -c 'import torch, pytest, opforge.extension; print(torch.__version__)'",
+        shell=True,
+        cwd=dest,
+        env=fresh,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == __import__("torch").__version__
 
@@ -200,12 +232,27 @@ def test_generated_project_module_and_kernels_source(generated):
 
 
 def test_doctor_on_this_machine():
-    proc = subprocess.run([sys.executable, "-m", "opforge", "doctor"], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "opforge", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    for name in ("compiler", "nvcc", "CUDA_HOME", "CUDA headers", "ninja", "C++ ABI", "disk", "JIT cache",
-                 "opforge kernels", "GPU"):
+    for name in (
+        "compiler",
+        "nvcc",
+        "CUDA_HOME",
+        "CUDA headers",
+        "ninja",
+        "C++ ABI",
+        "disk",
+        "JIT cache",
+        "opforge kernels",
+        "GPU",
+    ):
         assert re.search(rf"^\[(?: OK |WARN)\] {re.escape(name)} ", out, re.M), (name, out)
     assert "[ OK ] compiler" in out and "C++20 supported" in out
     assert "[ OK ] opforge kernels" in out
@@ -216,7 +263,9 @@ def test_doctor_on_this_machine():
 
 
 def test_doctor_fails_with_fixes(monkeypatch):
-    monkeypatch.setattr(doctor, "check_ninja", lambda: doctor.Check("ninja", doctor.FAIL, "ninja not found", "pip install ninja"))
+    monkeypatch.setattr(
+        doctor, "check_ninja", lambda: doctor.Check("ninja", doctor.FAIL, "ninja not found", "pip install ninja")
+    )
     monkeypatch.setattr(doctor, "check_kernels", lambda: doctor.Check("opforge kernels", doctor.OK, "stub"))
     checks = doctor.run_checks()
     report = doctor.format_report(checks)
@@ -264,15 +313,19 @@ def test_doctor_abi_disk_and_locks(monkeypatch, tmp_path):
 
 
 def test_doctor_prints_its_first_lines_before_importing_torch():
-    code = ("import sys; from opforge import doctor; print(doctor.header()); "
-            "print(doctor.format_check(doctor.check_compiler())[0]); print('torch' in sys.modules)")
+    code = (
+        "import sys; from opforge import doctor; print(doctor.header()); "
+        "print(doctor.format_check(doctor.check_compiler())[0]); print('torch' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     header, compiler, imported = proc.stdout.strip().splitlines()
     import torch
 
-    assert header.startswith(f"opforge doctor: opforge {opforge.__version__}, torch {torch.__version__} "
-                             f"(CUDA {torch.version.cuda or 'none'}), python ")
+    assert header.startswith(
+        f"opforge doctor: opforge {opforge.__version__}, torch {torch.__version__} "
+        f"(CUDA {torch.version.cuda or 'none'}), python "
+    )
     assert compiler.startswith("[ OK ] compiler") and imported == "False"
 
 
@@ -293,7 +346,9 @@ def test_doctor_streams_each_line_as_its_check_finishes(monkeypatch, capsys):
 
 
 def test_doctor_without_kernel_check_loads_no_kernels():
-    code = "import sys; from opforge import doctor; doctor.main(check_kernels=False); print('opforge._C' in sys.modules)"
+    code = (
+        "import sys; from opforge import doctor; doctor.main(check_kernels=False); print('opforge._C' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip().splitlines()[-1] == "False", proc.stdout + proc.stderr
     assert "opforge kernels" not in proc.stdout
@@ -306,20 +361,27 @@ NO_RUNTIME = "No CUDA runtime is found"
 
 def _gives_the_warning_unguarded() -> bool:
     """Whether a bare import of torch's cpp_extension logs the warning here (no GPU, a CUDA toolkit found)."""
-    proc = subprocess.run([sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import torch.utils.cpp_extension"], capture_output=True, text=True, timeout=300
+    )
     return NO_RUNTIME in proc.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["-m", "opforge", "cache", "path"],
-    ["-m", "opforge", "doctor", "--no-kernels"],
-    ["-m", "opforge", "info"],
-    ["-c", "import torch, opforge; print(opforge.add_relu(torch.ones(3), torch.ones(3)))"],  # the README example
-    ["-c", "import opforge, torch; from opforge import nn; print(nn.AddReLU()(torch.ones(2), torch.ones(2)))"],
-    ["-c", "from opforge import doctor; print(doctor.check_jit_cache())"],  # imports torch's cpp_extension
-    ["-c", "from opforge import _cpp_extension; _cpp_extension.import_cpp_extension(); import torch.utils.benchmark"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-m", "opforge", "cache", "path"],
+        ["-m", "opforge", "doctor", "--no-kernels"],
+        ["-m", "opforge", "info"],
+        ["-c", "import torch, opforge; print(opforge.add_relu(torch.ones(3), torch.ones(3)))"],  # the README example
+        ["-c", "import opforge, torch; from opforge import nn; print(nn.AddReLU()(torch.ones(2), torch.ones(2)))"],
+        ["-c", "from opforge import doctor; print(doctor.check_jit_cache())"],  # imports torch's cpp_extension
+        [
+            "-c",
+            "from opforge import _cpp_extension; _cpp_extension.import_cpp_extension(); import torch.utils.benchmark",
+        ],
+    ],
+)
 def test_no_torch_warning_on_commands(args, tmp_path):
     import torch
 
@@ -333,9 +395,26 @@ def test_no_torch_warning_on_commands(args, tmp_path):
 
 @pytest.mark.slow
 def test_no_torch_warning_on_bench(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "opforge", "bench", "add_relu", "--quick", "--no-compile", "--device",
-                           "cpu", "--no-progress", "--dtype", "float32"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "opforge",
+            "bench",
+            "add_relu",
+            "--quick",
+            "--no-compile",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "add_relu" in proc.stdout and NO_RUNTIME not in proc.stdout + proc.stderr
 
@@ -424,7 +503,9 @@ def test_dockerfile_lint():
     assert "opforge bench --quick" in text
     assert "opforge doctor" in runs
     # Every COPY/ADD source exists in the repository (and is not excluded by .dockerignore).
-    ignored = [ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    ignored = [
+        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    ]
     for word, rest in instr:
         if word in ("COPY", "ADD"):
             parts = [p for p in rest.split() if not p.startswith("--")]

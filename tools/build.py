@@ -66,8 +66,19 @@ def _run(cmd: list[str], env: dict[str, str], verbose: bool) -> tuple[int, list[
     """Runs the build, printing progress; returns its exit code and output lines."""
     lines: list[str] = []
     own_warnings = 0
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          bufsize=1, errors="replace") as proc, open(LOG, "w") as log:
+    with (
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            errors="replace",
+        ) as proc,
+        open(LOG, "w") as log,
+    ):
         show_context = 0
         for line in proc.stdout:
             log.write(line)

@@ -26,7 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # torchvision on random inputs (CPU; on a GPU the CUDA ones too), not the compile, opcheck and
 # gradcheck tests, which draw little and take long.
 DEFAULT = [
-    "tests/test_softmax.py", "tests/test_conv.py", "tests/test_add.py", "tests/test_nms.py", "-k",
+    "tests/test_softmax.py",
+    "tests/test_conv.py",
+    "tests/test_add.py",
+    "tests/test_nms.py",
+    "-k",
     # softmax
     "test_values or row_lengths or very_long_row or many_short or non_contiguous or inf_and_nan"
     " or offset_rows or exp_range or test_causal or fully_masked or scaled_masked_values"
@@ -43,7 +47,18 @@ FAILED = re.compile(r"^(FAILED|ERROR) (\S+)", re.M)
 
 
 def run_once(seed: int, tests: list[str], log_dir: Path) -> tuple[int, int, list[str], float]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE", f"--seed={seed}", *tests]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--tb=short",
+        "-rfE",
+        f"--seed={seed}",
+        *tests,
+    ]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     took = time.monotonic() - start
@@ -66,8 +81,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20, help="how many base seeds (default 20)")
     parser.add_argument("--first-seed", type=int, default=1, help="the first base seed (default 1)")
-    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/opforge_seed_sweep"),
-                        help="where a failing run's full pytest output goes")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path("/tmp/opforge_seed_sweep"),
+        help="where a failing run's full pytest output goes",
+    )
     parser.add_argument("tests", nargs="*", help="pytest arguments (after --); default: the numerical tests")
     args = parser.parse_args(argv)
     if args.runs < 1:

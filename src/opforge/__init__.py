@@ -25,10 +25,21 @@ from . import extension  # noqa: E402  (build helpers; no kernels, no torch at i
 from .extension import include_paths  # noqa: E402
 
 # Names bound by _load_ops; looking any of them up loads the kernels.
-_NEEDS_KERNELS = frozenset({
-    "add", "add_relu", "softmax", "log_softmax", "scaled_masked_softmax", "nms", "batched_nms",
-    "nms_padded", "conv2d_3x3", "nn", "ops",
-})
+_NEEDS_KERNELS = frozenset(
+    {
+        "add",
+        "add_relu",
+        "softmax",
+        "log_softmax",
+        "scaled_masked_softmax",
+        "nms",
+        "batched_nms",
+        "nms_padded",
+        "conv2d_3x3",
+        "nn",
+        "ops",
+    }
+)
 
 
 def _load_ops() -> None:
@@ -47,9 +58,17 @@ def _load_ops() -> None:
     ops = _importlib.import_module(f"{__name__}.ops")
 
     globals().update(
-        add=add, add_relu=add_relu, conv2d_3x3=conv2d_3x3, batched_nms=batched_nms, nms=nms,
-        nms_padded=nms_padded, log_softmax=log_softmax, scaled_masked_softmax=scaled_masked_softmax,
-        softmax=softmax, nn=nn, ops=ops,
+        add=add,
+        add_relu=add_relu,
+        conv2d_3x3=conv2d_3x3,
+        batched_nms=batched_nms,
+        nms=nms,
+        nms_padded=nms_padded,
+        log_softmax=log_softmax,
+        scaled_masked_softmax=scaled_masked_softmax,
+        softmax=softmax,
+        nn=nn,
+        ops=ops,
     )
 
 

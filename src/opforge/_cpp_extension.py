@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import extension
 
+
 def _torch_dir() -> Path:
     spec = importlib.util.find_spec("torch")  # a top-level find_spec imports nothing
     if spec is None or not spec.submodule_search_locations:

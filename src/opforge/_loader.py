@@ -35,7 +35,11 @@ def build_info() -> dict[str, str]:
 def describe_build(info: dict[str, str] | None = None) -> str:
     """One line of text on the loaded kernels: where from and what they were built with."""
     info = build_info() if info is None else info
-    cuda = f"CUDA kernels for CUDA {info['cuda']} ({info['archs']})" if info.get("cuda", "none") != "none" else "no CUDA kernels"
+    cuda = (
+        f"CUDA kernels for CUDA {info['cuda']} ({info['archs']})"
+        if info.get("cuda", "none") != "none"
+        else "no CUDA kernels"
+    )
     cpu = f"CPU kernels up to {info['cpu_isa']}" if info.get("cpu_isa") else "CPU kernels"
     return f"{source or 'not loaded'}, built for torch {info['torch']}: {cpu}, {cuda}"
 
@@ -58,9 +62,7 @@ def load() -> None:
             # that misreports a missing file as a circular import while opforge initialises.
             importlib.import_module(f"{__package__}._C")
         except (ImportError, OSError) as exc:
-            raise ImportError(
-                f"opforge's compiled kernels (opforge._C) could not be loaded: {exc}. {_FIX}"
-            ) from None
+            raise ImportError(f"opforge's compiled kernels (opforge._C) could not be loaded: {exc}. {_FIX}") from None
         source = "installed"
     check_torch_version(build_info()["torch"], torch.__version__)
 

@@ -68,8 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("new", help="create a standalone extension project for your own op")
     p.add_argument("name", help="package and torch namespace of the new project (a Python identifier)")
     p.add_argument("--dir", default=None, help="where to create it (default: ./NAME); must be empty or absent")
-    p.add_argument("--kind", choices=["elementwise", "rowwise"], default="elementwise",
-                   help="elementwise: a fused binary op (add_relu); rowwise: a row reduction (softmax)")
+    p.add_argument(
+        "--kind",
+        choices=["elementwise", "rowwise"],
+        default="elementwise",
+        help="elementwise: a fused binary op (add_relu); rowwise: a row reduction (softmax)",
+    )
     p.set_defaults(func=_cmd_new)
 
     p = sub.add_parser("doctor", help="check the toolchain a build needs and say how to fix what is missing")

@@ -64,23 +64,37 @@ def check_compiler() -> Check:
     cxx = os.environ.get("CXX", "c++")
     path = shutil.which(cxx.split()[0]) if cxx else None
     if path is None:
-        return Check("compiler", FAIL, f"C++ compiler {cxx!r} not found",
-                     "install g++ (Debian/Ubuntu: apt-get install g++; conda: conda install gxx) or set CXX")
+        return Check(
+            "compiler",
+            FAIL,
+            f"C++ compiler {cxx!r} not found",
+            "install g++ (Debian/Ubuntu: apt-get install g++; conda: conda install gxx) or set CXX",
+        )
     try:
         version = _run([path, "-dumpfullversion", "-dumpversion"]).stdout.strip() or "?"
         kind = "clang" if "clang" in _run([path, "--version"]).stdout.lower() else "g++"
     except (OSError, subprocess.SubprocessError) as exc:
-        return Check("compiler", FAIL, f"{path} does not run: {exc}", "reinstall the compiler or point CXX at a working one")
+        return Check(
+            "compiler", FAIL, f"{path} does not run: {exc}", "reinstall the compiler or point CXX at a working one"
+        )
     std = required_cxx_standard()
-    probe = "#include <concepts>\n#include <span>\nint main() { return 0; }\n" if std == "c++20" else "#include <optional>\nint main() {}\n"
+    probe = (
+        "#include <concepts>\n#include <span>\nint main() { return 0; }\n"
+        if std == "c++20"
+        else "#include <optional>\nint main() {}\n"
+    )
     try:
         proc = _run([path, f"-std={std}", "-fsyntax-only", "-x", "c++", "-"], stdin=probe)
     except (OSError, subprocess.SubprocessError) as exc:
         proc = subprocess.CompletedProcess([], 1, "", str(exc))
     if proc.returncode != 0:
         first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
-        return Check("compiler", FAIL, f"{kind} {version} at {path} cannot compile {std.upper()}, which torch {'.'.join(map(str, _torch_minor()))} needs: {first}",
-                     "install a newer compiler (g++ >= 10 for C++20) and put it first on PATH or set CXX")
+        return Check(
+            "compiler",
+            FAIL,
+            f"{kind} {version} at {path} cannot compile {std.upper()}, which torch {'.'.join(map(str, _torch_minor()))} needs: {first}",
+            "install a newer compiler (g++ >= 10 for C++20) and put it first on PATH or set CXX",
+        )
     return Check("compiler", OK, f"{kind} {version} at {path}, {std.upper()} supported")
 
 
@@ -98,12 +112,20 @@ def compare_cuda(nvcc: str | None, torch_cuda: str | None) -> tuple[str, str, st
     if torch_cuda is None:
         return OK, "torch is a CPU-only build: no nvcc needed", ""
     if nvcc is None:
-        return WARN, f"nvcc not found (torch was built with CUDA {torch_cuda}): only CPU kernels can be built", (
-            f"install the CUDA {torch_cuda.split('.')[0]}.x toolkit (or a pytorch *-devel container) and set CUDA_HOME"
+        return (
+            WARN,
+            f"nvcc not found (torch was built with CUDA {torch_cuda}): only CPU kernels can be built",
+            (
+                f"install the CUDA {torch_cuda.split('.')[0]}.x toolkit (or a pytorch *-devel container) and set CUDA_HOME"
+            ),
         )
     if nvcc.split(".")[0] != torch_cuda.split(".")[0]:
-        return FAIL, f"nvcc is CUDA {nvcc} but torch was built with CUDA {torch_cuda}: kernels would not load", (
-            f"install CUDA {torch_cuda.split('.')[0]}.x and point CUDA_HOME at it, or install a torch built for CUDA {nvcc.split('.')[0]}"
+        return (
+            FAIL,
+            f"nvcc is CUDA {nvcc} but torch was built with CUDA {torch_cuda}: kernels would not load",
+            (
+                f"install CUDA {torch_cuda.split('.')[0]}.x and point CUDA_HOME at it, or install a torch built for CUDA {nvcc.split('.')[0]}"
+            ),
         )
     if nvcc != ".".join(torch_cuda.split(".")[:2]):
         return OK, f"nvcc CUDA {nvcc}, torch CUDA {torch_cuda} (same major version: compatible)", ""
@@ -114,7 +136,9 @@ def check_nvcc() -> Check:
     nvcc = extension.find_nvcc()
     version = nvcc_version(nvcc) if nvcc else None
     if nvcc and version is None:
-        return Check("nvcc", FAIL, f"{nvcc} does not report a version", "check the CUDA installation (run nvcc --version)")
+        return Check(
+            "nvcc", FAIL, f"{nvcc} does not report a version", "check the CUDA installation (run nvcc --version)"
+        )
     status, detail, fix = compare_cuda(version, _torch_cuda())
     if nvcc:
         detail += f" [{nvcc}]"
@@ -124,12 +148,21 @@ def check_nvcc() -> Check:
 def check_cuda_home() -> Check:
     env = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if env and not Path(env).is_dir():
-        return Check("CUDA_HOME", FAIL, f"CUDA_HOME={env} does not exist", "unset it or point it at the CUDA toolkit (the folder holding bin/nvcc)")
+        return Check(
+            "CUDA_HOME",
+            FAIL,
+            f"CUDA_HOME={env} does not exist",
+            "unset it or point it at the CUDA toolkit (the folder holding bin/nvcc)",
+        )
     home = extension.cuda_home()
     if home is None:
         status = OK if _torch_cuda() is None else WARN
-        return Check("CUDA_HOME", status, "not set and no CUDA toolkit found",
-                     "" if status == OK else "export CUDA_HOME=/usr/local/cuda (the folder holding bin/nvcc)")
+        return Check(
+            "CUDA_HOME",
+            status,
+            "not set and no CUDA toolkit found",
+            "" if status == OK else "export CUDA_HOME=/usr/local/cuda (the folder holding bin/nvcc)",
+        )
     return Check("CUDA_HOME", OK, f"{home}" + ("" if env else " (from nvcc's location)"))
 
 
@@ -137,8 +170,11 @@ def find_cuda_runtime_header() -> str | None:
     home = extension.cuda_home()
     folders = []
     if home:
-        folders += [Path(home) / "include", Path(home) / "targets" / "x86_64-linux" / "include",
-                    Path(home) / "targets" / "sbsa-linux" / "include"]
+        folders += [
+            Path(home) / "include",
+            Path(home) / "targets" / "x86_64-linux" / "include",
+            Path(home) / "targets" / "sbsa-linux" / "include",
+        ]
     folders += [Path(d) for d in extension._wheel_cuda_dirs()[0]]
     for folder in folders:
         if (folder / "cuda_runtime.h").is_file():
@@ -151,16 +187,24 @@ def check_cuda_headers() -> Check:
         return Check("CUDA headers", OK, "not needed (no CUDA build here)")
     found = find_cuda_runtime_header()
     if found is None:
-        return Check("CUDA headers", FAIL, "cuda_runtime.h not found in CUDA_HOME/include nor in the nvidia wheels",
-                     f"install the CUDA {_torch_cuda()} toolkit headers (cuda-cudart-dev) or `pip install nvidia-cuda-runtime`")
+        return Check(
+            "CUDA headers",
+            FAIL,
+            "cuda_runtime.h not found in CUDA_HOME/include nor in the nvidia wheels",
+            f"install the CUDA {_torch_cuda()} toolkit headers (cuda-cudart-dev) or `pip install nvidia-cuda-runtime`",
+        )
     return Check("CUDA headers", OK, found)
 
 
 def check_ninja() -> Check:
     ninja = shutil.which("ninja")
     if ninja is None:
-        return Check("ninja", FAIL, "ninja not found: JIT builds and fast installed builds need it",
-                     "pip install ninja (or apt-get install ninja-build)")
+        return Check(
+            "ninja",
+            FAIL,
+            "ninja not found: JIT builds and fast installed builds need it",
+            "pip install ninja (or apt-get install ninja-build)",
+        )
     try:
         version = _run([ninja, "--version"]).stdout.strip()
     except (OSError, subprocess.SubprocessError) as exc:
@@ -175,10 +219,16 @@ def check_abi() -> Check:
     for var in ("CXXFLAGS", "CFLAGS", "CPPFLAGS"):
         m = re.search(r"_GLIBCXX_USE_CXX11_ABI=(\d)", os.environ.get(var, ""))
         if m and int(m.group(1)) != abi:
-            return Check("C++ ABI", FAIL, f"{var} sets _GLIBCXX_USE_CXX11_ABI={m.group(1)} but torch uses {abi}: "
-                         "the build would fail to load with `undefined symbol` errors",
-                         f"remove -D_GLIBCXX_USE_CXX11_ABI from {var}; torch's build helpers pass the right value")
-    return Check("C++ ABI", OK, f"torch uses _GLIBCXX_USE_CXX11_ABI={abi}; extensions built with torch's helpers match it")
+            return Check(
+                "C++ ABI",
+                FAIL,
+                f"{var} sets _GLIBCXX_USE_CXX11_ABI={m.group(1)} but torch uses {abi}: "
+                "the build would fail to load with `undefined symbol` errors",
+                f"remove -D_GLIBCXX_USE_CXX11_ABI from {var}; torch's build helpers pass the right value",
+            )
+    return Check(
+        "C++ ABI", OK, f"torch uses _GLIBCXX_USE_CXX11_ABI={abi}; extensions built with torch's helpers match it"
+    )
 
 
 def jit_cache_root() -> Path:
@@ -192,7 +242,7 @@ def check_disk(root: Path | None = None, warn_gib: float = 2.0, fail_gib: float 
         probe = probe.parent
     free = shutil.disk_usage(probe).free / 2**30
     detail = f"{free:.1f} GiB free for the JIT cache at {root}"
-    fix = f"free space on that disk or point TORCH_EXTENSIONS_DIR at a larger one (opforge cache clear removes opforge's builds)"
+    fix = "free space on that disk or point TORCH_EXTENSIONS_DIR at a larger one (opforge cache clear removes opforge's builds)"
     if free < fail_gib:
         return Check("disk", FAIL, detail, fix)
     if free < warn_gib:
@@ -234,9 +284,13 @@ def check_jit_cache() -> Check:
     root = jit_cache_root()
     stale = stale_locks(root)
     if stale:
-        return Check("JIT cache", WARN, f"stale lock(s) left by interrupted builds: {', '.join(map(str, stale))}",
-                     "remove them (rm the listed files) or clear the build: opforge cache clear "
-                     "(opforge's own JIT builds clear them automatically)")
+        return Check(
+            "JIT cache",
+            WARN,
+            f"stale lock(s) left by interrupted builds: {', '.join(map(str, stale))}",
+            "remove them (rm the listed files) or clear the build: opforge cache clear "
+            "(opforge's own JIT builds clear them automatically)",
+        )
     return Check("JIT cache", OK, f"{root}, no stale lock")
 
 
@@ -252,19 +306,31 @@ def check_kernels(timeout: float = 600) -> Check:
     try:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Check("opforge kernels", FAIL, f"loading took over {timeout:.0f} s (a JIT build waiting on a lock?)",
-                     "run `opforge cache clear` and retry; `OPFORGE_JIT=1 python -c 'import torch, opforge'` runs the build in the foreground")
+        return Check(
+            "opforge kernels",
+            FAIL,
+            f"loading took over {timeout:.0f} s (a JIT build waiting on a lock?)",
+            "run `opforge cache clear` and retry; `OPFORGE_JIT=1 python -c 'import torch, opforge'` runs the build in the foreground",
+        )
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         last = lines[-1] if lines else "(no output)"
-        return Check("opforge kernels", FAIL, f"import opforge failed: {last}",
-                     "build them: `pip install --no-build-isolation -e .` in the opforge source tree, "
-                     "or set OPFORGE_JIT=1 to compile them at import")
+        return Check(
+            "opforge kernels",
+            FAIL,
+            f"import opforge failed: {last}",
+            "build them: `pip install --no-build-isolation -e .` in the opforge source tree, "
+            "or set OPFORGE_JIT=1 to compile them at import",
+        )
     lines = proc.stdout.strip().splitlines()
     info = next((ln.removeprefix("LOADED ") for ln in lines if ln.startswith("LOADED ")), lines[0] if lines else "")
     if "CUDA_GAP" in lines:
-        return Check("opforge kernels", WARN, f"loaded without CUDA kernels although a GPU is visible: {info}",
-                     "rebuild with nvcc available: `pip install --no-build-isolation -e .` (OPFORGE_CUDA=1 makes a missing nvcc an error)")
+        return Check(
+            "opforge kernels",
+            WARN,
+            f"loaded without CUDA kernels although a GPU is visible: {info}",
+            "rebuild with nvcc available: `pip install --no-build-isolation -e .` (OPFORGE_CUDA=1 makes a missing nvcc an error)",
+        )
     return Check("opforge kernels", OK, info)
 
 
@@ -272,13 +338,25 @@ def check_gpu() -> Check:
     import torch
 
     if torch.version.cuda is None:
-        return Check("GPU", WARN, "torch is a CPU-only build: CPU kernels only",
-                     "install a CUDA build of torch to use a GPU (pip install torch --index-url https://download.pytorch.org/whl/cu130)")
+        return Check(
+            "GPU",
+            WARN,
+            "torch is a CPU-only build: CPU kernels only",
+            "install a CUDA build of torch to use a GPU (pip install torch --index-url https://download.pytorch.org/whl/cu130)",
+        )
     if not torch.cuda.is_available():
-        return Check("GPU", WARN, "no GPU visible: CUDA kernels can be built but not run here",
-                     "in a container pass the GPUs (docker run --gpus all ...); check nvidia-smi and CUDA_VISIBLE_DEVICES")
-    names = sorted({f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
-                    for i in range(torch.cuda.device_count())})
+        return Check(
+            "GPU",
+            WARN,
+            "no GPU visible: CUDA kernels can be built but not run here",
+            "in a container pass the GPUs (docker run --gpus all ...); check nvidia-smi and CUDA_VISIBLE_DEVICES",
+        )
+    names = sorted(
+        {
+            f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(torch.cuda.device_count())
+        }
+    )
     return Check("GPU", OK, f"{torch.cuda.device_count()} visible: {', '.join(names)}")
 
 
@@ -296,8 +374,12 @@ def iter_checks(check_kernels_too: bool = True):
         try:
             yield fn()
         except Exception as exc:  # a broken check is itself a finding
-            yield Check(key, FAIL, f"the check itself failed: {type(exc).__name__}: {exc}",
-                        "report this; the rest of the checks still ran")
+            yield Check(
+                key,
+                FAIL,
+                f"the check itself failed: {type(exc).__name__}: {exc}",
+                "report this; the rest of the checks still ran",
+            )
 
 
 def run_checks(check_kernels_too: bool = True) -> list[Check]:
@@ -309,8 +391,10 @@ def header() -> str:
     from . import __version__
 
     torch = _cpp_extension.torch_version()
-    return (f"opforge doctor: opforge {__version__}, torch {torch['__version__']} (CUDA {torch['cuda'] or 'none'}), "
-            f"python {sys.version.split()[0]}")
+    return (
+        f"opforge doctor: opforge {__version__}, torch {torch['__version__']} (CUDA {torch['cuda'] or 'none'}), "
+        f"python {sys.version.split()[0]}"
+    )
 
 
 def format_check(c: Check, width: int = _WIDTH) -> list[str]:

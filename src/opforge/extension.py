@@ -325,7 +325,11 @@ class SourceSet:
             # Pythons >= 3.10. Newer torch adds this define itself.
             defines += ["-DPy_LIMITED_API=0x030a0000"]
         # The warnings silenced here fire inside torch's and gcc's own headers.
-        cxx = ["-O3", "-fdiagnostics-color=always", "-Wno-unknown-pragmas", "-Wno-psabi", "-Wno-maybe-uninitialized"] + defines + self.cxx_flags
+        cxx = (
+            ["-O3", "-fdiagnostics-color=always", "-Wno-unknown-pragmas", "-Wno-psabi", "-Wno-maybe-uninitialized"]
+            + defines
+            + self.cxx_flags
+        )
         cxx += openmp_flags()[0]  # C++ only: nvcc's host pass needs no OpenMP
         if os.environ.get("OPFORGE_CPU_NATIVE") == "1":
             # Builds for the CPU of this machine only (edge devices building
@@ -442,9 +446,7 @@ def _compiler_error(log: str) -> tuple[str, str]:
     return first, "\n".join(lines[-80:])
 
 
-def jit_load(
-    src: SourceSet, *, verbose: bool = False, with_cuda: bool | None = None, require_gpu: bool = False
-) -> str:
+def jit_load(src: SourceSet, *, verbose: bool = False, with_cuda: bool | None = None, require_gpu: bool = False) -> str:
     """Compile ``src`` into the torch extensions cache and load it.
 
     Rebuilds only what changed (ninja tracks sources and headers). Returns

@@ -50,6 +50,7 @@ def _peers() -> str:
 
 def report() -> str:
     import opforge
+
     from . import _loader, jit
     from .bench.report import _cpu_model
 

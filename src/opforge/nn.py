@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .ops.add import add, add_relu
-from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
 from .ops.conv import conv2d_3x3
+from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
 
 
 class Add(torch.nn.Module):
@@ -125,13 +125,14 @@ class Conv2d3x3(torch.nn.Module):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.stride, self.padding, self.groups, self.activation = stride, padding, groups, activation
         # Initialised exactly as nn.Conv2d (kaiming_uniform(a=sqrt(5)), bias U(-1/sqrt(fan_in), +)).
-        ref = torch.nn.Conv2d(in_channels, out_channels, 3, stride, padding, groups=groups, bias=bias,
-                              device=device, dtype=dtype)
+        ref = torch.nn.Conv2d(
+            in_channels, out_channels, 3, stride, padding, groups=groups, bias=bias, device=device, dtype=dtype
+        )
         self.weight = ref.weight
         self.bias = ref.bias
 
     @classmethod
-    def from_conv(cls, conv: torch.nn.Conv2d, relu: bool = False) -> "Conv2d3x3":
+    def from_conv(cls, conv: torch.nn.Conv2d, relu: bool = False) -> Conv2d3x3:
         """The fused equivalent of ``conv`` (followed by ReLU when ``relu``), sharing its values (copied)."""
         if not isinstance(conv, torch.nn.Conv2d):
             raise TypeError(f"Conv2d3x3.from_conv: conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
@@ -140,14 +141,27 @@ class Conv2d3x3(torch.nn.Module):
             raise ValueError(f"Conv2d3x3.from_conv: conv must have a 3x3 kernel, got {tuple(conv.kernel_size)}")
         stride, padding, dilation = as_pair(conv.stride), conv.padding, as_pair(conv.dilation)
         if isinstance(padding, str) or stride[0] != stride[1] or len(set(as_pair(padding))) != 1:
-            raise ValueError(f"Conv2d3x3.from_conv: conv needs equal integer stride and padding, got stride "
-                             f"{conv.stride} and padding {conv.padding}")
+            raise ValueError(
+                f"Conv2d3x3.from_conv: conv needs equal integer stride and padding, got stride "
+                f"{conv.stride} and padding {conv.padding}"
+            )
         if dilation != (1, 1) or conv.padding_mode != "zeros":
-            raise ValueError(f"Conv2d3x3.from_conv: conv needs dilation 1 and zero padding, got dilation "
-                             f"{conv.dilation} and padding_mode {conv.padding_mode!r}")
+            raise ValueError(
+                f"Conv2d3x3.from_conv: conv needs dilation 1 and zero padding, got dilation "
+                f"{conv.dilation} and padding_mode {conv.padding_mode!r}"
+            )
         padding = as_pair(padding)[0]
-        layer = cls(conv.in_channels, conv.out_channels, stride[0], padding, conv.groups, conv.bias is not None,
-                    "relu" if relu else None, device=conv.weight.device, dtype=conv.weight.dtype)
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            stride[0],
+            padding,
+            conv.groups,
+            conv.bias is not None,
+            "relu" if relu else None,
+            device=conv.weight.device,
+            dtype=conv.weight.dtype,
+        )
         with torch.no_grad():
             layer.weight.copy_(conv.weight)
             if conv.bias is not None:
@@ -158,5 +172,7 @@ class Conv2d3x3(torch.nn.Module):
         return conv2d_3x3(x, self.weight, self.bias, self.stride, self.padding, self.groups, self.activation)
 
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, stride={self.stride}, padding={self.padding}, "
-                f"groups={self.groups}, bias={self.bias is not None}, activation={self.activation!r}")
+        return (
+            f"{self.in_channels}, {self.out_channels}, stride={self.stride}, padding={self.padding}, "
+            f"groups={self.groups}, bias={self.bias is not None}, activation={self.activation!r}"
+        )

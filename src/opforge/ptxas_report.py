@@ -98,17 +98,29 @@ def compile_command(cu: Path, arch: str, out: Path, extra_includes: list[str] = 
     includes = [str(cu.parent), str(cu.parent.parent), *extra_includes]
     includes += SOURCES.all_include_dirs(with_cuda=True) + cpp.include_paths(device_type="cuda")
     return [
-        nvcc, "--cubin", f"-arch=sm_{arch}", "-std=c++20", "-Xptxas", "-v", *cpp.COMMON_NVCC_FLAGS, *flags,
-        "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", *(f"-I{d}" for d in includes),
-        "-o", str(out), str(cu),
+        nvcc,
+        "--cubin",
+        f"-arch=sm_{arch}",
+        "-std=c++20",
+        "-Xptxas",
+        "-v",
+        *cpp.COMMON_NVCC_FLAGS,
+        *flags,
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        "-DTORCH_EXTENSION_NAME=_C",
+        *(f"-I{d}" for d in includes),
+        "-o",
+        str(out),
+        str(cu),
     ]
 
 
 def compile_report(cu: Path, arch: str, extra_includes: list[str] = ()) -> str:
     """ptxas's -v output for one file (raises RuntimeError with nvcc's errors if it does not compile)."""
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(compile_command(cu, arch, Path(tmp) / "out.cubin", extra_includes),
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            compile_command(cu, arch, Path(tmp) / "out.cubin", extra_includes), capture_output=True, text=True
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"{cu} does not compile:\n{proc.stderr[-4000:]}")
     return proc.stdout + proc.stderr
@@ -120,8 +132,9 @@ def summary(label: str, kernels: list[Kernel]) -> tuple[list[str], int]:
     most = max((k.registers for k in kernels), default=0)
     lines = [f"{label}: {len(kernels)} kernels, up to {most} registers, {len(spilling)} spilling"]
     for k, name in zip(spilling, demangle([k.name for k in spilling])):
-        lines.append(f"  {k.arch} {k.registers:3d} regs, {k.spill_stores} B spill stores, "
-                     f"{k.spill_loads} B spill loads: {name}")
+        lines.append(
+            f"  {k.arch} {k.registers:3d} regs, {k.spill_stores} B spill stores, {k.spill_loads} B spill loads: {name}"
+        )
     return lines, len(spilling)
 
 

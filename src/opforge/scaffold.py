@@ -23,7 +23,8 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 # C++20 keywords and alternative tokens: NAME is also the project's C++
 # namespace and TORCH_LIBRARY name, so none of these compiles.
-CXX_KEYWORDS = frozenset("""
+CXX_KEYWORDS = frozenset(
+    """
     alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t
     class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
     decltype default delete do double dynamic_cast else enum explicit export extern false float for friend
@@ -31,12 +32,19 @@ CXX_KEYWORDS = frozenset("""
     protected public register reinterpret_cast requires return short signed sizeof static static_assert
     static_cast struct switch template this thread_local throw true try typedef typeid typename union
     unsigned using virtual void volatile wchar_t while xor xor_eq
-""".split())
+""".split()
+)
 
 # C++ namespaces of the headers the project compiles against: `namespace at`
 # in the project would add its functions to ATen's (at::softmax exists).
-CXX_NAMESPACES = {"std": "the C++ standard library's", "at": "ATen's", "c10": "c10's", "torch": "torch's",
-                  "caffe2": "caffe2's (in torch's headers)", "opforge": "opforge's C++ helpers'"}
+CXX_NAMESPACES = {
+    "std": "the C++ standard library's",
+    "at": "ATen's",
+    "c10": "c10's",
+    "torch": "torch's",
+    "caffe2": "caffe2's (in torch's headers)",
+    "opforge": "opforge's C++ helpers'",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +101,9 @@ def _project_folders() -> dict[str, str]:
     for kind in KINDS:
         for rel in _files(kind):
             if len(rel.parts) > 1 and rel.parts[0] != "__name__":
-                folders[rel.parts[0]] = f"the project's own {rel.parts[0]}/ folder; the package would be written into it"
+                folders[rel.parts[0]] = (
+                    f"the project's own {rel.parts[0]}/ folder; the package would be written into it"
+                )
     for line in (TEMPLATES / "common" / "gitignore.tmpl").read_text().split():
         if re.fullmatch(r"\w+/", line):
             folders[line[:-1]] = f"ignored by the project's .gitignore ({line}): the package would never be committed"
@@ -117,8 +127,10 @@ def validate_name(name: str) -> None:
     """NAME is the package, its C++ namespace and torch.ops.NAME: refuse a name
     that is not valid as all three or that would break something; say which."""
     if not (name.isascii() and name.isidentifier()) or keyword.iskeyword(name):
-        raise ScaffoldError(f"NAME must be a Python identifier made of ASCII letters, digits and _ and not a Python "
-                            f"keyword (it names the package, its C++ namespace and torch.ops.NAME), got {name!r}")
+        raise ScaffoldError(
+            f"NAME must be a Python identifier made of ASCII letters, digits and _ and not a Python "
+            f"keyword (it names the package, its C++ namespace and torch.ops.NAME), got {name!r}"
+        )
     folder = _project_folders().get(name)
     if folder:
         raise ScaffoldError(f"NAME {name!r} is {folder}; pick another")
@@ -134,21 +146,30 @@ def validate_name(name: str) -> None:
     if spec is not None and spec.origin not in (None, "namespace"):
         installed = {"site-packages", "dist-packages"} & set(Path(spec.origin).parts)
         overwrite = ", and installing the project would overwrite it" if installed else ""
-        raise ScaffoldError(f"NAME {name!r} is already an importable module ({spec.origin}): {shadowed}{overwrite}; "
-                            f"pick another")
+        raise ScaffoldError(
+            f"NAME {name!r} is already an importable module ({spec.origin}): {shadowed}{overwrite}; pick another"
+        )
     namespaces, attributes = _torch_ops_names()
     if name in namespaces:
-        raise ScaffoldError(f"NAME {name!r} is one of torch's op namespaces (torch.ops.{name} holds torch's ops): "
-                            f"TORCH_LIBRARY({name}) fails to load where torch declared it, and an op of the same name "
-                            f"collides anywhere; pick another")
+        raise ScaffoldError(
+            f"NAME {name!r} is one of torch's op namespaces (torch.ops.{name} holds torch's ops): "
+            f"TORCH_LIBRARY({name}) fails to load where torch declared it, and an op of the same name "
+            f"collides anywhere; pick another"
+        )
     if name in attributes:
-        raise ScaffoldError(f"NAME {name!r} is an attribute of torch.ops (torch.ops.{name}), so torch.ops.{name}.<op> "
-                            f"would never reach the project's ops; pick another")
+        raise ScaffoldError(
+            f"NAME {name!r} is an attribute of torch.ops (torch.ops.{name}), so torch.ops.{name}.<op> "
+            f"would never reach the project's ops; pick another"
+        )
     if name in CXX_KEYWORDS:
-        raise ScaffoldError(f"NAME {name!r} is a C++ keyword, and NAME is also the project's C++ namespace; pick another")
+        raise ScaffoldError(
+            f"NAME {name!r} is a C++ keyword, and NAME is also the project's C++ namespace; pick another"
+        )
     if name in CXX_NAMESPACES:
-        raise ScaffoldError(f"NAME {name!r} is {CXX_NAMESPACES[name]} C++ namespace: the project's C++ code would "
-                            f"add to it and collide with its functions; pick another")
+        raise ScaffoldError(
+            f"NAME {name!r} is {CXX_NAMESPACES[name]} C++ namespace: the project's C++ code would "
+            f"add to it and collide with its functions; pick another"
+        )
 
 
 def _context(name: str, kind: Kind) -> dict[str, str]:
@@ -215,8 +236,13 @@ def _python_command() -> str:
     python = shlex.quote(sys.executable)
     probe = "import importlib.util as u; s = u.find_spec('opforge'); print(s.origin if s else '')"
     try:  # -E: as a fresh shell would run it, without PYTHON* variables
-        found = subprocess.run([sys.executable, "-E", "-c", probe], capture_output=True, text=True, timeout=60,
-                               cwd=Path(opforge.__file__).anchor).stdout.strip()
+        found = subprocess.run(
+            [sys.executable, "-E", "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(opforge.__file__).anchor,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         found = ""
     if found and Path(found).resolve() == Path(opforge.__file__).resolve():

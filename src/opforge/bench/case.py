@@ -9,7 +9,7 @@ opforge, so case modules can import it without importing what loads them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

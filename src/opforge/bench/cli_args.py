@@ -9,10 +9,17 @@ from __future__ import annotations
 import argparse
 
 DTYPE_NAMES = {
-    "float32": "float32", "fp32": "float32", "f32": "float32",
-    "float64": "float64", "fp64": "float64", "f64": "float64",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float64": "float64",
+    "fp64": "float64",
+    "f64": "float64",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
@@ -24,7 +31,9 @@ def _dtypes(text: str):
     for part in filter(None, text.split(",")):
         name = DTYPE_NAMES.get(part.strip().lower())
         if name is None:
-            raise argparse.ArgumentTypeError(f"unknown dtype {part!r}; expected one of {', '.join(sorted(set(DTYPE_NAMES)))}")
+            raise argparse.ArgumentTypeError(
+                f"unknown dtype {part!r}; expected one of {', '.join(sorted(set(DTYPE_NAMES)))}"
+            )
         out.append(getattr(torch, name))
     return out
 
@@ -57,19 +66,34 @@ def add_parsers(sub) -> None:
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("ops", nargs="*", metavar="OPS", help="op families or op names (default: all registered)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", type=_dtypes, action="extend", default=None,
-                   help="only these dtypes, comma-separated or repeated (e.g. float32,bf16)")
-    p.add_argument("--mode", type=_modes, action="extend", default=None,
-                   help="fwd, bwd (backward alone), full (forward + backward) or all, comma-separated or "
-                   "repeated; default: all (with --quick: fwd)")
-    p.add_argument("--quick", action="store_true", help="the cases marked quick, shorter timing (< 2 min on 2 CPU cores)")
+    p.add_argument(
+        "--dtype",
+        type=_dtypes,
+        action="extend",
+        default=None,
+        help="only these dtypes, comma-separated or repeated (e.g. float32,bf16)",
+    )
+    p.add_argument(
+        "--mode",
+        type=_modes,
+        action="extend",
+        default=None,
+        help="fwd, bwd (backward alone), full (forward + backward) or all, comma-separated or "
+        "repeated; default: all (with --quick: fwd)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="the cases marked quick, shorter timing (< 2 min on 2 CPU cores)"
+    )
     p.add_argument("--no-compile", dest="compile", action="store_false", help="skip torch.compile")
     p.add_argument("--json", metavar="PATH", help="write the results and environment as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a Markdown report")
     p.add_argument("--plot", metavar="PATH", help="write a PNG chart (needs matplotlib)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
-    p.add_argument("--from-json", metavar="PATH",
-                   help="time nothing: print and write (--markdown, --plot) the results saved in PATH by --json")
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="time nothing: print and write (--markdown, --plot) the results saved in PATH by --json",
+    )
     from . import overhead_cli
 
     overhead_cli.add_arguments(p)  # `opforge bench overhead [OPS]`

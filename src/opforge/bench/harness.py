@@ -43,7 +43,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,8 +53,22 @@ from .machine import environment, last_level_cache_bytes, load_average, steady_c
 from .registry import families
 from .results import MODES, PROVIDERS, CaseResult, ProviderResult, Run, Settings
 
-__all__ = ["MODES", "PROVIDERS", "TOLERANCES", "CaseResult", "ProviderResult", "Run", "Settings", "Progress",
-           "collect_cases", "input_set_count", "known_names", "last_level_cache_bytes", "run", "run_case"]
+__all__ = [
+    "MODES",
+    "PROVIDERS",
+    "TOLERANCES",
+    "CaseResult",
+    "ProviderResult",
+    "Run",
+    "Settings",
+    "Progress",
+    "collect_cases",
+    "input_set_count",
+    "known_names",
+    "last_level_cache_bytes",
+    "run",
+    "run_case",
+]
 
 # Tolerances of the correctness check against eager, per dtype (rtol, atol).
 TOLERANCES = {
@@ -317,7 +331,9 @@ def _metrics(res: ProviderResult, nbytes: int, flops: float, bandwidth: float) -
         res.tflops = flops / seconds / 1e12
 
 
-def run_case(family: str, case: BenchCase, mode: str, settings: Settings, bandwidth: float, cache_bytes: int) -> CaseResult:
+def run_case(
+    family: str, case: BenchCase, mode: str, settings: Settings, bandwidth: float, cache_bytes: int
+) -> CaseResult:
     providers: dict[str, tuple[str, Callable | None, str | None]] = {
         "opforge": ("opforge", case.ours, None),
         "eager": (case.eager_name, case.eager, None),
@@ -362,8 +378,10 @@ def same_size_copy_ms(nbytes: int, settings: Settings, cache_bytes: int) -> floa
     count = input_set_count(nbytes, cache_bytes)
     try:
         pairs = [
-            (torch.empty(half, dtype=torch.uint8, device=settings.device).random_(),
-             torch.empty(half, dtype=torch.uint8, device=settings.device))
+            (
+                torch.empty(half, dtype=torch.uint8, device=settings.device).random_(),
+                torch.empty(half, dtype=torch.uint8, device=settings.device),
+            )
             for _ in range(count)
         ]
         state = [0]

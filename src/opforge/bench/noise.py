@@ -65,8 +65,10 @@ def busy_warning(run: Run) -> str | None:
     if spread:
         worst, r, key = spread[0]
         rows = len({id(c) for _, c, _ in spread})
-        reasons.append(f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {rows} of {len(run.results)} rows "
-                       f"(worst {worst:.2f}, {_row(r)} {key})")
+        reasons.append(
+            f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {rows} of {len(run.results)} rows "
+            f"(worst {worst:.2f}, {_row(r)} {key})"
+        )
     return f"warning: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
 
 
@@ -89,29 +91,39 @@ def floor_notes(run: Run) -> list[str]:
     memory_bound = [r for r in run.results if r.providers["opforge"].pct_floor is not None]
     if not memory_bound:
         return []
-    notes = [f"% floor = floor time / opforge's time, the floor being the fewest bytes the op must move (inputs read "
-             f"once, outputs written once) at the device-copy bandwidth measured at the start ({run.copy_bandwidth_gbps:.1f} GB/s)"]
+    notes = [
+        f"% floor = floor time / opforge's time, the floor being the fewest bytes the op must move (inputs read "
+        f"once, outputs written once) at the device-copy bandwidth measured at the start ({run.copy_bandwidth_gbps:.1f} GB/s)"
+    ]
     over = [r for r in memory_bound if _shown_pct(r.providers["opforge"].pct_floor) > 100]
     if over:
         named = [f"{_row(r)} {_shown_pct(r.providers['opforge'].pct_floor)}%" for r in over]
         cached = [r for r in over if r.bytes <= run.cache_bytes]
         reason = []
         if cached:
-            reason.append(f"{_which(len(cached), len(over))} at most {max(r.bytes for r in cached) / 2**20:.0f} MiB per call, "
-                          f"within the {run.cache_bytes >> 20} MiB last-level cache: inputs are rotated past it, but "
-                          f"outputs land in memory just freed and still cached, so such a call beats the memory "
-                          f"bandwidth the floor assumes")
+            reason.append(
+                f"{_which(len(cached), len(over))} at most {max(r.bytes for r in cached) / 2**20:.0f} MiB per call, "
+                f"within the {run.cache_bytes >> 20} MiB last-level cache: inputs are rotated past it, but "
+                f"outputs land in memory just freed and still cached, so such a call beats the memory "
+                f"bandwidth the floor assumes"
+            )
         if run.settings.device == "cpu":
-            reason.append("on the CPU the floor's copy also reads its destination before writing it "
-                          "(write-allocate), which the floor does not count, so the floor is low")
+            reason.append(
+                "on the CPU the floor's copy also reads its destination before writing it "
+                "(write-allocate), which the floor does not count, so the floor is low"
+            )
         elif len(cached) < len(over):
-            reason.append(f"{_which(len(over) - len(cached), len(over))} more than the cache holds: an op that reads more "
-                          f"than it writes can beat the half-read, half-write copy the floor is measured with "
-                          f"by a few percent")
+            reason.append(
+                f"{_which(len(over) - len(cached), len(over))} more than the cache holds: an op that reads more "
+                f"than it writes can beat the half-read, half-write copy the floor is measured with "
+                f"by a few percent"
+            )
         notes.append(f"above 100% of the floor ({_more(named)}): {'; '.join(reason)}")
     over_copy = [r for r in run.results if r.pct_copy is not None and _shown_pct(r.pct_copy) > 100]
     if over_copy:
         named = [f"{_row(r)} {_shown_pct(r.pct_copy)}%" for r in over_copy]
-        notes.append(f"above 100% of copy ({_more(named)}): opforge moved its bytes in less time than torch's copy "
-                     f"kernel moves as many at this size, so that copy is not a hard limit there")
+        notes.append(
+            f"above 100% of copy ({_more(named)}): opforge moved its bytes in less time than torch's copy "
+            f"kernel moves as many at this size, so that copy is not a hard limit there"
+        )
     return notes

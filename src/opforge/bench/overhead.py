@@ -29,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from .overhead_cases import OverheadCase, cases as all_cases
+from .overhead_cases import OverheadCase
+from .overhead_cases import cases as all_cases
 
 PROVIDERS = ("opforge", "torch", "floor_wrapper", "floor_direct")
 
@@ -150,8 +151,14 @@ def _check(case: OverheadCase, inputs: list) -> None:
 def time_row(case: OverheadCase, grad: bool, settings: Settings) -> Row:
     """One row: the case's four providers on one input set, loops alternating per repeat."""
     inputs = _inputs(case, settings.device, grad)
-    row = Row(op=case.op, shape=case.label, grad=grad, torch_name=case.torch_name, status="ok",
-              providers=dict.fromkeys(PROVIDERS))
+    row = Row(
+        op=case.op,
+        shape=case.label,
+        grad=grad,
+        torch_name=case.torch_name,
+        status="ok",
+        providers=dict.fromkeys(PROVIDERS),
+    )
     try:
         if case.torch_fn is not None:
             _check(case, inputs)
@@ -161,8 +168,12 @@ def time_row(case: OverheadCase, grad: bool, settings: Settings) -> Row:
     except Exception as exc:  # noqa: BLE001  (reported in the row, the run goes on)
         row.status, row.detail = "error", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         return row
-    fns = {"opforge": (case.ours, inputs), "torch": (case.torch_fn, inputs),
-           "floor_wrapper": (make_noop_wrapper(), inputs[:1]), "floor_direct": (noop_op(), inputs[:1])}
+    fns = {
+        "opforge": (case.ours, inputs),
+        "torch": (case.torch_fn, inputs),
+        "floor_wrapper": (make_noop_wrapper(), inputs[:1]),
+        "floor_direct": (noop_op(), inputs[:1]),
+    }
     fns = {k: v for k, v in fns.items() if v[0] is not None}
     sync = _sync(settings.device)
     for fn, args in fns.values():  # warm-up: allocator, lazy initialisation, dispatch caches
@@ -197,5 +208,9 @@ def run(settings: Settings, progress: bool = True, only: tuple[str, ...] = ()) -
         bar.step(f"{case.op} {'with' if grad else 'without'} grad")
         rows.append(time_row(case, grad, settings))
     bar.close()
-    return Run(settings=settings, environment=environment(settings.device, load_at_start), rows=rows,
-               seconds=time.monotonic() - began)
+    return Run(
+        settings=settings,
+        environment=environment(settings.device, load_at_start),
+        rows=rows,
+        seconds=time.monotonic() - began,
+    )

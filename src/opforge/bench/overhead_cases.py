@@ -10,7 +10,7 @@ for. This module imports nothing that loads opforge's kernels at import time.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,22 +62,33 @@ def _padded_equal(ours, theirs) -> None:
 def _conv_cases(opforge) -> list[OverheadCase]:
     out = []
     for kind, groups, wshape in (("dense", 1, (4, 4, 3, 3)), ("depthwise", 4, (4, 1, 3, 3))):
+
         def inputs(device, wshape=wshape):
-            return [torch.randn(1, 4, 8, 8, device=device), torch.randn(*wshape, device=device),
-                    torch.randn(4, device=device)]
+            return [
+                torch.randn(1, 4, 8, 8, device=device),
+                torch.randn(*wshape, device=device),
+                torch.randn(4, device=device),
+            ]
 
         for act in ("relu", None):
-            ours = (lambda x, w, b, g=groups, a=act: opforge.conv2d_3x3(x, w, b, 1, 1, g, activation=a))
+            ours = lambda x, w, b, g=groups, a=act: opforge.conv2d_3x3(x, w, b, 1, 1, g, activation=a)
             if act == "relu":
                 ref = lambda x, w, b, g=groups: torch.relu(F.conv2d(x, w, b, 1, 1, 1, g))  # noqa: E731
                 ref_name = "torch.relu(F.conv2d(...))"
             else:
                 ref = lambda x, w, b, g=groups: F.conv2d(x, w, b, 1, 1, 1, g)  # noqa: E731
                 ref_name = "F.conv2d(...)"
-            out.append(OverheadCase(
-                op=f"conv2d_3x3 {kind}" + (" relu" if act else ""), label="1x4x8x8, k3 p1",
-                make_inputs=inputs, grad_inputs=(0, 1, 2), ours=ours, torch_fn=ref, torch_name=ref_name,
-            ))
+            out.append(
+                OverheadCase(
+                    op=f"conv2d_3x3 {kind}" + (" relu" if act else ""),
+                    label="1x4x8x8, k3 p1",
+                    make_inputs=inputs,
+                    grad_inputs=(0, 1, 2),
+                    ours=ours,
+                    torch_fn=ref,
+                    torch_name=ref_name,
+                )
+            )
     return out
 
 
@@ -89,16 +100,36 @@ def _nms_cases(opforge) -> list[OverheadCase]:
     tv_nms = torchvision and (lambda b, s: torchvision.ops.nms(b, s, 0.5))
     tv_batched = torchvision and (lambda b, s, i: torchvision.ops.batched_nms(b, s, i, 0.5))
     return [
-        OverheadCase(op="nms", label="16 boxes", make_inputs=tiny_boxes, grad_inputs=(0, 1),
-                     ours=lambda b, s: opforge.nms(b, s, 0.5), torch_fn=tv_nms,
-                     torch_name="torchvision.ops.nms", compare=_equal),
-        OverheadCase(op="batched_nms", label="16 boxes, 4 classes",
-                     make_inputs=lambda device: tiny_boxes(device, classes=4), grad_inputs=(0, 1),
-                     ours=lambda b, s, i: opforge.batched_nms(b, s, i, 0.5), torch_fn=tv_batched,
-                     torch_name="torchvision.ops.batched_nms", compare=_equal),
-        OverheadCase(op="nms_padded", label="16 boxes, max_output 16", make_inputs=tiny_boxes,
-                     grad_inputs=(0, 1), ours=lambda b, s: opforge.nms_padded(b, s, 0.5, 16),
-                     torch_fn=tv_nms, torch_name="torchvision.ops.nms", compare=_padded_equal),
+        OverheadCase(
+            op="nms",
+            label="16 boxes",
+            make_inputs=tiny_boxes,
+            grad_inputs=(0, 1),
+            ours=lambda b, s: opforge.nms(b, s, 0.5),
+            torch_fn=tv_nms,
+            torch_name="torchvision.ops.nms",
+            compare=_equal,
+        ),
+        OverheadCase(
+            op="batched_nms",
+            label="16 boxes, 4 classes",
+            make_inputs=lambda device: tiny_boxes(device, classes=4),
+            grad_inputs=(0, 1),
+            ours=lambda b, s, i: opforge.batched_nms(b, s, i, 0.5),
+            torch_fn=tv_batched,
+            torch_name="torchvision.ops.batched_nms",
+            compare=_equal,
+        ),
+        OverheadCase(
+            op="nms_padded",
+            label="16 boxes, max_output 16",
+            make_inputs=tiny_boxes,
+            grad_inputs=(0, 1),
+            ours=lambda b, s: opforge.nms_padded(b, s, 0.5, 16),
+            torch_fn=tv_nms,
+            torch_name="torchvision.ops.nms",
+            compare=_padded_equal,
+        ),
     ]
 
 
@@ -113,20 +144,51 @@ def cases() -> list[OverheadCase]:
         return [torch.randn(1, 1, 4, 4, device=device), torch.randn(1, 1, 4, 4, device=device)]
 
     return [
-        OverheadCase(op="add_relu", label="16", make_inputs=pair, grad_inputs=(0, 1), ours=opforge.add_relu,
-                     torch_fn=lambda a, b: torch.relu(a + b), torch_name="torch.relu(a + b)"),
-        OverheadCase(op="add", label="16", make_inputs=pair, grad_inputs=(0, 1), ours=opforge.add,
-                     torch_fn=torch.add, torch_name="torch.add"),
-        OverheadCase(op="softmax", label="4x4, dim -1", make_inputs=lambda d: [_randn(4, 4)(d)], grad_inputs=(0,),
-                     ours=lambda x: opforge.softmax(x, -1), torch_fn=lambda x: torch.softmax(x, -1),
-                     torch_name="torch.softmax"),
-        OverheadCase(op="log_softmax", label="4x4, dim -1", make_inputs=lambda d: [_randn(4, 4)(d)],
-                     grad_inputs=(0,), ours=lambda x: opforge.log_softmax(x, -1),
-                     torch_fn=lambda x: torch.log_softmax(x, -1), torch_name="torch.log_softmax"),
-        OverheadCase(op="scaled_masked_softmax", label="1x1x4x4, additive mask", make_inputs=scores_and_mask,
-                     grad_inputs=(0,), ours=lambda x, m: opforge.scaled_masked_softmax(x, m, 0.5),
-                     torch_fn=lambda x, m: torch.softmax(x * 0.5 + m, -1),
-                     torch_name="torch.softmax(x * scale + mask, -1)"),
+        OverheadCase(
+            op="add_relu",
+            label="16",
+            make_inputs=pair,
+            grad_inputs=(0, 1),
+            ours=opforge.add_relu,
+            torch_fn=lambda a, b: torch.relu(a + b),
+            torch_name="torch.relu(a + b)",
+        ),
+        OverheadCase(
+            op="add",
+            label="16",
+            make_inputs=pair,
+            grad_inputs=(0, 1),
+            ours=opforge.add,
+            torch_fn=torch.add,
+            torch_name="torch.add",
+        ),
+        OverheadCase(
+            op="softmax",
+            label="4x4, dim -1",
+            make_inputs=lambda d: [_randn(4, 4)(d)],
+            grad_inputs=(0,),
+            ours=lambda x: opforge.softmax(x, -1),
+            torch_fn=lambda x: torch.softmax(x, -1),
+            torch_name="torch.softmax",
+        ),
+        OverheadCase(
+            op="log_softmax",
+            label="4x4, dim -1",
+            make_inputs=lambda d: [_randn(4, 4)(d)],
+            grad_inputs=(0,),
+            ours=lambda x: opforge.log_softmax(x, -1),
+            torch_fn=lambda x: torch.log_softmax(x, -1),
+            torch_name="torch.log_softmax",
+        ),
+        OverheadCase(
+            op="scaled_masked_softmax",
+            label="1x1x4x4, additive mask",
+            make_inputs=scores_and_mask,
+            grad_inputs=(0,),
+            ours=lambda x, m: opforge.scaled_masked_softmax(x, m, 0.5),
+            torch_fn=lambda x, m: torch.softmax(x * 0.5 + m, -1),
+            torch_name="torch.softmax(x * scale + mask, -1)",
+        ),
         *_conv_cases(opforge),
         *_nms_cases(opforge),
     ]

@@ -20,9 +20,11 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(f"opforge bench {NAME} [OPS]",
-                             "the host's time per call of every op on tiny inputs, next to the torch code it "
-                             "replaces and a no-op floor (OPS: ops whose names start with these)")
+    g = p.add_argument_group(
+        f"opforge bench {NAME} [OPS]",
+        "the host's time per call of every op on tiny inputs, next to the torch code it "
+        "replaces and a no-op floor (OPS: ops whose names start with these)",
+    )
     g.add_argument("--calls", type=_positive, default=None, help="calls per timed loop (default 200; --quick 50)")
     g.add_argument("--repeats", type=_positive, default=None, help="timed loops per provider (default 15; --quick 5)")
     g.add_argument("--threads", type=_positive, default=None, help="torch's CPU threads (default: torch's own)")
@@ -58,8 +60,10 @@ def run(args) -> int:
             return 2
         only = tuple(args.ops[1:])
         if not overhead.select(only):
-            print(f"opforge bench {NAME}: no op matches {' '.join(only)}; ops: "
-                  f"{', '.join(c.op for c in overhead.select(()))}")
+            print(
+                f"opforge bench {NAME}: no op matches {' '.join(only)}; ops: "
+                f"{', '.join(c.op for c in overhead.select(()))}"
+            )
             return 2
         if args.threads:
             torch.set_num_threads(args.threads)

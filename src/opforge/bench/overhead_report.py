@@ -12,8 +12,17 @@ from .overhead import PROVIDERS, Row, Run, Settings, Timed
 
 SCHEMA = "opforge-bench-overhead/1"
 
-HEADER = ["op", "input", "grad", "opforge us", "torch us", "opforge / torch", "floor wrapper us",
-          "floor torch.ops us", "torch code"]
+HEADER = [
+    "op",
+    "input",
+    "grad",
+    "opforge us",
+    "torch us",
+    "opforge / torch",
+    "floor wrapper us",
+    "floor torch.ops us",
+    "torch code",
+]
 _RIGHT = range(3, 8)
 
 
@@ -27,19 +36,30 @@ def rows(run: Run) -> list[list[str]]:
     out = []
     for r in run.rows:
         p = r.providers
-        out.append([
-            r.op, r.shape, "yes" if r.grad else "no",
-            _us(p["opforge"], r), _us(p["torch"], r),
-            "-" if r.ratio is None else f"{r.ratio:.2f}",
-            _us(p["floor_wrapper"], r), _us(p["floor_direct"], r), r.torch_name,
-        ])
+        out.append(
+            [
+                r.op,
+                r.shape,
+                "yes" if r.grad else "no",
+                _us(p["opforge"], r),
+                _us(p["torch"], r),
+                "-" if r.ratio is None else f"{r.ratio:.2f}",
+                _us(p["floor_wrapper"], r),
+                _us(p["floor_direct"], r),
+                r.torch_name,
+            ]
+        )
     return out
 
 
 def spreads(run: Run) -> list[tuple[float, Row, str]]:
     """(p80/p20, row, provider) for every timed provider above the spread limit, worst first."""
-    out = [(t.p80_us / t.p20_us, r, k) for r in run.rows for k, t in r.providers.items()
-           if t is not None and t.p20_us > 0 and t.p80_us / t.p20_us > SPREAD_LIMIT]
+    out = [
+        (t.p80_us / t.p20_us, r, k)
+        for r in run.rows
+        for k, t in r.providers.items()
+        if t is not None and t.p20_us > 0 and t.p80_us / t.p20_us > SPREAD_LIMIT
+    ]
     return sorted(out, key=lambda s: -s[0])
 
 
@@ -54,8 +74,10 @@ def busy_warning(run: Run) -> str | None:
         reasons.append(f"busy machine: load average {' and '.join(loads)} of the run, above its {cores} cores")
     if spread:
         worst, r, key = spread[0]
-        reasons.append(f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {len({id(s[1]) for s in spread})} of "
-                       f"{len(run.rows)} rows (worst {worst:.2f}, {r.op} grad={'yes' if r.grad else 'no'} {key})")
+        reasons.append(
+            f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {len({id(s[1]) for s in spread})} of "
+            f"{len(run.rows)} rows (worst {worst:.2f}, {r.op} grad={'yes' if r.grad else 'no'} {key})"
+        )
     return f"warning: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
 
 
@@ -63,21 +85,25 @@ def _summary_line(run: Run) -> str:
     env, s = run.environment, run.settings
     where = env.get("gpu") if s.device == "cuda" else f"{env['cpu']} ({env['cpu_cores']} cores)"
     load = env.get("load_avg_1m_start"), env.get("load_avg_1m")
-    return (f"opforge {env['opforge']} on {s.device} ({where}); torch {env['torch']}, "
-            f"torch threads: {env.get('torch_threads')}; "
-            f"{s.repeats} loops of {s.calls} calls per provider; load average {load[0]} at the start, "
-            f"{load[1]} at the end")
+    return (
+        f"opforge {env['opforge']} on {s.device} ({where}); torch {env['torch']}, "
+        f"torch threads: {env.get('torch_threads')}; "
+        f"{s.repeats} loops of {s.calls} calls per provider; load average {load[0]} at the start, "
+        f"{load[1]} at the end"
+    )
 
 
 def _notes(run: Run) -> list[str]:
     warning = busy_warning(run)
     notes = [warning] if warning else []
     notes += [f"{r.op} grad={'yes' if r.grad else 'no'}: {r.status}: {r.detail}" for r in run.rows if r.status != "ok"]
-    notes.append("us = median microseconds per call, the host's time (the device synchronised around each loop); "
-                 "opforge / torch below 1 means opforge's call costs less; floor = opforge_bench.noop, a "
-                 "registered C++ op that returns an empty tensor, called through a Python wrapper as opforge's "
-                 "ops are, and as torch.ops.opforge_bench.noop(x); grad = the inputs require grad "
-                 f"(the call records its graph; no backward runs); {run.seconds:.1f} s in all")
+    notes.append(
+        "us = median microseconds per call, the host's time (the device synchronised around each loop); "
+        "opforge / torch below 1 means opforge's call costs less; floor = opforge_bench.noop, a "
+        "registered C++ op that returns an empty tensor, called through a Python wrapper as opforge's "
+        "ops are, and as torch.ops.opforge_bench.noop(x); grad = the inputs require grad "
+        f"(the call records its graph; no backward runs); {run.seconds:.1f} s in all"
+    )
     return notes
 
 
@@ -98,12 +124,18 @@ def table(run: Run) -> str:
 def markdown(run: Run) -> str:
     env = run.environment
     warning = busy_warning(run)
-    lines = ["# opforge per-call host overhead", "", _summary_line(run) + ".", "",
-             *([f"**{warning}**", ""] if warning else []),
-             f"Commit `{env.get('git_commit')}`, measured {env['date_utc']}; p20/p80 are in the JSON. "
-             "See docs/bench.md (`opforge bench overhead`) for the method.", "",
-             "| " + " | ".join(HEADER) + " |",
-             "| " + " | ".join("---:" if i in _RIGHT else "---" for i in range(len(HEADER))) + " |"]
+    lines = [
+        "# opforge per-call host overhead",
+        "",
+        _summary_line(run) + ".",
+        "",
+        *([f"**{warning}**", ""] if warning else []),
+        f"Commit `{env.get('git_commit')}`, measured {env['date_utc']}; p20/p80 are in the JSON. "
+        "See docs/bench.md (`opforge bench overhead`) for the method.",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "| " + " | ".join("---:" if i in _RIGHT else "---" for i in range(len(HEADER))) + " |",
+    ]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in b) + " |" for b in rows(run)]
     lines += ["", "Notes:", "", *(f"- {n}" for n in _notes(run))]
     lines += ["", "Environment:", "", "| key | value |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in env.items())]
@@ -117,9 +149,16 @@ def to_json(run: Run) -> dict:
         "settings": dataclasses.asdict(run.settings),
         "seconds": run.seconds,
         "results": [
-            {"op": r.op, "shape": r.shape, "grad": r.grad, "torch_name": r.torch_name, "status": r.status,
-             "detail": r.detail, "ratio_opforge_over_torch": r.ratio,
-             "providers": {k: None if t is None else dataclasses.asdict(t) for k, t in r.providers.items()}}
+            {
+                "op": r.op,
+                "shape": r.shape,
+                "grad": r.grad,
+                "torch_name": r.torch_name,
+                "status": r.status,
+                "detail": r.detail,
+                "ratio_opforge_over_torch": r.ratio,
+                "providers": {k: None if t is None else dataclasses.asdict(t) for k, t in r.providers.items()},
+            }
             for r in run.rows
         ],
     }
@@ -129,10 +168,18 @@ def from_json(data: dict) -> Run:
     """The run a :func:`to_json` dict describes."""
     if data.get("schema") != SCHEMA:
         raise ValueError(f"not an overhead result: schema {data.get('schema')!r}, expected {SCHEMA!r}")
-    rows_ = [Row(op=r["op"], shape=r["shape"], grad=r["grad"], torch_name=r["torch_name"], status=r["status"],
-                 detail=r["detail"], providers={k: None if (t := r["providers"].get(k)) is None else Timed(**t)
-                                                for k in PROVIDERS})
-             for r in data["results"]]
+    rows_ = [
+        Row(
+            op=r["op"],
+            shape=r["shape"],
+            grad=r["grad"],
+            torch_name=r["torch_name"],
+            status=r["status"],
+            detail=r["detail"],
+            providers={k: None if (t := r["providers"].get(k)) is None else Timed(**t) for k in PROVIDERS},
+        )
+        for r in data["results"]
+    ]
     return Run(Settings(**data["settings"]), data["environment"], rows_, data.get("seconds", 0.0))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Callable
+from collections.abc import Callable
 
 from .case import _REGISTRY, BenchCase, register
 

@@ -52,8 +52,22 @@ def _mib(res) -> str:
 def rows(run: Run) -> tuple[list[str], list[list[str]]]:
     """The table's header and rows; peak-memory columns only when memory was measured (GPU)."""
     with_mem = any(p.peak_mem_bytes is not None for r in run.results for p in r.providers.values())
-    header = ["op", "shape", "dtype", "mode", "opforge ms", "eager ms", "compiled ms", "peer ms",
-              "vs eager", "vs compiled", "vs peer", "opforge rate", "% floor", "% of copy"]
+    header = [
+        "op",
+        "shape",
+        "dtype",
+        "mode",
+        "opforge ms",
+        "eager ms",
+        "compiled ms",
+        "peer ms",
+        "vs eager",
+        "vs compiled",
+        "vs peer",
+        "opforge rate",
+        "% floor",
+        "% of copy",
+    ]
     if with_mem:
         header += ["peak MiB opforge/eager/compiled"]
     out = []
@@ -61,11 +75,20 @@ def rows(run: Run) -> tuple[list[str], list[list[str]]]:
         rate, pct = _roof(r)
         peer = r.providers.get("peer")
         row = [
-            r.op, r.shape, r.dtype, r.mode,
-            _ms(r.providers["opforge"]), _ms(r.providers["eager"]), _ms(r.providers.get("compiled")),
+            r.op,
+            r.shape,
+            r.dtype,
+            r.mode,
+            _ms(r.providers["opforge"]),
+            _ms(r.providers["eager"]),
+            _ms(r.providers.get("compiled")),
             (f"{_ms(peer)} ({peer.name})" if peer is not None else "-"),
-            _x(r.speedup("eager")), _x(r.speedup("compiled")), _x(r.speedup("peer")),
-            rate, pct, "-" if r.pct_copy is None else f"{r.pct_copy:.0f}%",
+            _x(r.speedup("eager")),
+            _x(r.speedup("compiled")),
+            _x(r.speedup("peer")),
+            rate,
+            pct,
+            "-" if r.pct_copy is None else f"{r.pct_copy:.0f}%",
         ]
         if with_mem:
             row.append("/".join(_mib(r.providers.get(k)) for k in ("opforge", "eager", "compiled")))
@@ -86,14 +109,18 @@ def _notes(run: Run) -> list[str]:
 
 def _legend(run: Run) -> str:
     copy = any(r.pct_copy is not None for r in run.results)
-    return ("times: median ms; vs X = X's time / opforge's (above 1.00x opforge is faster)"
-            + ("; % of copy = the time of a device copy of the same bytes / opforge's" if copy else "")
-            + f"; {run.seconds:.0f} s in all")
+    return (
+        "times: median ms; vs X = X's time / opforge's (above 1.00x opforge is faster)"
+        + ("; % of copy = the time of a device copy of the same bytes / opforge's" if copy else "")
+        + f"; {run.seconds:.0f} s in all"
+    )
 
 
 def _summary_line(run: Run) -> str:
     env = run.environment
-    where = env["gpu"] if run.settings.device == "cuda" else f"{env['cpu']} ({env['cpu_cores']} cores, {env['cpu_isa']})"
+    where = (
+        env["gpu"] if run.settings.device == "cuda" else f"{env['cpu']} ({env['cpu_cores']} cores, {env['cpu_isa']})"
+    )
     return (
         f"opforge {env['opforge']} on {run.settings.device} ({where}); torch {env['torch']}"
         + (f", CUDA {env['cuda']}" if env.get("cuda") else "")
@@ -200,14 +227,28 @@ def from_json(data: dict) -> Run:
     )
     results = [
         CaseResult(
-            family=r["family"], op=r["op"], shape=r["shape"], dtype=r["dtype"], mode=r["mode"], bytes=r["bytes"],
-            flops=r["flops"], input_sets=r["input_sets"], copy_ms=r.get("copy_ms"),
+            family=r["family"],
+            op=r["op"],
+            shape=r["shape"],
+            dtype=r["dtype"],
+            mode=r["mode"],
+            bytes=r["bytes"],
+            flops=r["flops"],
+            input_sets=r["input_sets"],
+            copy_ms=r.get("copy_ms"),
             providers={k: ProviderResult(**p) for k, p in r["providers"].items()},
         )
         for r in data["results"]
     ]
-    return Run(settings, data["environment"], data["copy_bandwidth_gbps"], data["last_level_cache_bytes"], results,
-               data.get("seconds", 0.0), data.get("problems", []))
+    return Run(
+        settings,
+        data["environment"],
+        data["copy_bandwidth_gbps"],
+        data["last_level_cache_bytes"],
+        results,
+        data.get("seconds", 0.0),
+        data.get("problems", []),
+    )
 
 
 def read_json(path: str | os.PathLike) -> Run:
@@ -270,5 +311,15 @@ def write_plot(run: Run, path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-__all__ = ["PROVIDERS", "busy_warning", "table", "markdown", "to_json", "from_json", "read_json", "write_json",
-           "write_markdown", "write_plot"]
+__all__ = [
+    "PROVIDERS",
+    "busy_warning",
+    "table",
+    "markdown",
+    "to_json",
+    "from_json",
+    "read_json",
+    "write_json",
+    "write_markdown",
+    "write_plot",
+]

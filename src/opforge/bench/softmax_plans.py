@@ -103,8 +103,9 @@ def _timed(fn, sets) -> float:
     return timing.time_cuda(call, warmup_ms=5.0, rep_ms=20.0).median_ms
 
 
-def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cache: int,
-            compiled: bool = False) -> list[dict]:
+def measure(
+    m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cache: int, compiled: bool = False
+) -> list[dict]:
     s = torch.empty((), dtype=dtype).element_size()
     if mode == "fwd":
         nbytes = 2 * m * k * s
@@ -144,8 +145,17 @@ def measure(m: int, k: int, dtype: torch.dtype, mode: str, bandwidth: float, cac
         except (RuntimeError, ValueError) as exc:
             ok, ms = False, None
             name = f"{name} ({str(exc).splitlines()[0][:80]})"
-        rows.append({"shape": f"{m}x{k}", "dtype": str(dtype).removeprefix("torch."), "mode": mode, "plan": name,
-                     "ok": ok, "ms": ms, "pct_floor": (100 * nbytes / (ms * 1e-3) / 1e9 / bandwidth) if ms else None})
+        rows.append(
+            {
+                "shape": f"{m}x{k}",
+                "dtype": str(dtype).removeprefix("torch."),
+                "mode": mode,
+                "plan": name,
+                "ok": ok,
+                "ms": ms,
+                "pct_floor": (100 * nbytes / (ms * 1e-3) / 1e9 / bandwidth) if ms else None,
+            }
+        )
 
     for name, fn in providers.items():
         record(name, fn)

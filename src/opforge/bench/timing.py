@@ -21,7 +21,7 @@ class Timing:
     host_ms: float | None = None  # host time to issue one call (GPU only)
 
     @classmethod
-    def from_samples(cls, samples_ms: list[float]) -> "Timing":
+    def from_samples(cls, samples_ms: list[float]) -> Timing:
         s = sorted(samples_ms)
         med = statistics.median(s)
         if len(s) < 2 or s[0] == s[-1]:

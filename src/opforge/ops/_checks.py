@@ -21,9 +21,7 @@ def tensor_arg(op: str, name: str, value) -> torch.Tensor:
 def float_tensor(op: str, name: str, value) -> torch.Tensor:
     t = tensor_arg(op, name, value)
     if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{op}: {name} must be a float32, float64, float16 or bfloat16 tensor, got {t.dtype}"
-        )
+        raise TypeError(f"{op}: {name} must be a float32, float64, float16 or bfloat16 tensor, got {t.dtype}")
     return t
 
 

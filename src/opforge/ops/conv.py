@@ -69,9 +69,7 @@ def _check(op: str, x, weight, bias, stride, padding, groups) -> tuple[int, int,
         if bias.dim() != 1 or bias.shape[0] != k:
             raise ValueError(f"{op}: bias must have shape [{k}], got {list(bias.shape)}")
     if h + 2 * padding < 3 or w + 2 * padding < 3:
-        raise ValueError(
-            f"{op}: x's spatial size ({h}, {w}) with padding {padding} is smaller than the 3x3 kernel"
-        )
+        raise ValueError(f"{op}: x's spatial size ({h}, {w}) with padding {padding} is smaller than the 3x3 kernel")
     # No input channels: no output channels, F.conv2d's empty-input rule (csrc/conv.h out_channels).
     k_out = 0 if c == 0 else k
     return n, k_out, (h + 2 * padding - 3) // stride + 1, (w + 2 * padding - 3) // stride + 1
@@ -131,7 +129,9 @@ def _check_backward(grad_out, result, x, weight, stride, padding, groups):
     if result is not None:
         _checks.companion(_BWD, "result", result, "x", x)
         if result.shape != grad_out.shape:
-            raise ValueError(f"{_BWD}: result must have grad_out's shape {list(grad_out.shape)}, got {list(result.shape)}")
+            raise ValueError(
+                f"{_BWD}: result must have grad_out's shape {list(grad_out.shape)}, got {list(result.shape)}"
+            )
     return shape
 
 
@@ -178,6 +178,4 @@ def _double_backward(ctx, *grads):
 
 
 torch.library.register_autograd("opforge::conv2d_3x3", _backward, setup_context=_setup)
-torch.library.register_autograd(
-    "opforge::_conv2d_3x3_backward", _double_backward, setup_context=_backward_setup
-)
+torch.library.register_autograd("opforge::_conv2d_3x3_backward", _double_backward, setup_context=_backward_setup)

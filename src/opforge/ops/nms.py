@@ -59,8 +59,10 @@ def _integer(op: str, name: str, value, *, optional: bool = False):
 
 def _same_length(op: str, boxes, name: str, t) -> None:
     def msg():
-        return (f"{op}: boxes and {name} must have the same length, got boxes with {boxes.shape[0]} "
-                f"and {name} with {t.shape[0]}")
+        return (
+            f"{op}: boxes and {name} must have the same length, got boxes with {boxes.shape[0]} "
+            f"and {name} with {t.shape[0]}"
+        )
 
     if isinstance(boxes.shape[0], torch.SymInt) or isinstance(t.shape[0], torch.SymInt):
         torch._check(t.shape[0] == boxes.shape[0], msg)
@@ -96,6 +98,7 @@ def _check(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output, 
         raise ValueError(f"{op}: score_threshold must not be NaN")
     mo = _integer(op, "max_output", max_output, optional=max_optional)
     if not max_optional:  # nms_padded: its output has max_output entries (csrc/nms.h kMaxPaddedOutput)
+
         def too_long():
             return f"{op}: max_output must be at most {_MAX_PADDED} (the length of the padded output), got {mo}"
 
@@ -106,8 +109,14 @@ def _check(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output, 
     return iou, st, mo
 
 
-def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float, *, score_threshold: float | None = None,
-        max_output: int | None = None) -> torch.Tensor:
+def nms(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    iou_threshold: float,
+    *,
+    score_threshold: float | None = None,
+    max_output: int | None = None,
+) -> torch.Tensor:
     """Indices (int64) of the boxes kept by non-maximum suppression, in decreasing score order.
 
     Equal to ``torchvision.ops.nms(boxes, scores, iou_threshold)``; tied
@@ -123,8 +132,15 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float, *, scor
     return _ns.nms.default(boxes, scores, iou, score_threshold=st, max_output=mo)
 
 
-def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou_threshold: float, *,
-                score_threshold: float | None = None, max_output: int | None = None) -> torch.Tensor:
+def batched_nms(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    idxs: torch.Tensor,
+    iou_threshold: float,
+    *,
+    score_threshold: float | None = None,
+    max_output: int | None = None,
+) -> torch.Tensor:
     """Per-category NMS: boxes with different ``idxs`` never suppress each other.
 
     Equal to ``torchvision.ops.batched_nms``; the result is in decreasing
@@ -139,9 +155,15 @@ def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, i
     return _ns.batched_nms.default(boxes, scores, idxs, iou, score_threshold=st, max_output=mo)
 
 
-def nms_padded(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float, max_output: int, *,
-               idxs: torch.Tensor | None = None, score_threshold: float | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def nms_padded(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    iou_threshold: float,
+    max_output: int,
+    *,
+    idxs: torch.Tensor | None = None,
+    score_threshold: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """NMS with an output shape that does not depend on the data.
 
     Returns ``(indices, count)``: ``indices`` has shape ``(max_output,)``, its
@@ -155,8 +177,9 @@ def nms_padded(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float, 
     >>> opforge.nms_padded(boxes, torch.tensor([0.9, 0.8, 0.7]), 0.5, max_output=4)
     (tensor([ 0,  2, -1, -1]), tensor(2))
     """
-    iou, st, mo = _check("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output,
-                         max_optional=False)
+    iou, st, mo = _check(
+        "opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output, max_optional=False
+    )
     return _ns.nms_padded.default(boxes, scores, iou, mo, idxs=idxs, score_threshold=st)
 
 
@@ -179,6 +202,5 @@ def _batched_nms_fake(boxes, scores, idxs, iou_threshold, *, score_threshold=Non
 
 @torch.library.register_fake("opforge::nms_padded")
 def _nms_padded_fake(boxes, scores, iou_threshold, max_output, *, idxs=None, score_threshold=None):
-    _check("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output,
-           max_optional=False)
+    _check("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output, max_optional=False)
     return boxes.new_empty((max_output,), dtype=torch.int64), boxes.new_empty((), dtype=torch.int64)

@@ -71,14 +71,18 @@ def _check_scaled_masked(op: str, x, mask, scale, causal) -> None:
         mask.shape[-i] == x.shape[-i] or mask.shape[-i] == 1 for i in range(1, mask.dim() + 1)
     )
     if not ok:
-        raise ValueError(f"{op}: mask with shape {list(mask.shape)} is not broadcastable to x with shape {list(x.shape)}")
+        raise ValueError(
+            f"{op}: mask with shape {list(mask.shape)} is not broadcastable to x with shape {list(x.shape)}"
+        )
 
 
 def _check_backward(op: str, grad, output, dim) -> None:
     _checks.float_tensor(op, "grad", grad)
     _checks.float_tensor(op, "output", output)
     if grad.dtype != output.dtype:
-        raise TypeError(f"{op}: grad and output must have the same dtype, got grad {grad.dtype} and output {output.dtype}")
+        raise TypeError(
+            f"{op}: grad and output must have the same dtype, got grad {grad.dtype} and output {output.dtype}"
+        )
     _checks.same_device(op, "grad", grad, "output", output)
     if grad.shape != output.shape:
         raise ValueError(
@@ -268,9 +272,7 @@ def _scaled_masked_backward_bwd(ctx, u):
 
 
 torch.library.register_autograd("opforge::_softmax_backward", _softmax_backward_bwd, setup_context=_bwd_setup)
-torch.library.register_autograd(
-    "opforge::_log_softmax_backward", _log_softmax_backward_bwd, setup_context=_bwd_setup
-)
+torch.library.register_autograd("opforge::_log_softmax_backward", _log_softmax_backward_bwd, setup_context=_bwd_setup)
 torch.library.register_autograd(
     "opforge::_scaled_masked_softmax_backward", _scaled_masked_backward_bwd, setup_context=_bwd_setup
 )
