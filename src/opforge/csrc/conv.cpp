@@ -61,8 +61,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
     gb = at::zeros({g.K}, x.options());
   } else {
     std::vector<int64_t> bias_sizes{g.K};
-    std::tie(gx, gw, gb) = at::convolution_backward(g_m, x, w, at::OptionalIntArrayRef(bias_sizes), {g.stride, g.stride},
-                                                    {g.pad, g.pad}, {1, 1}, false, {0, 0}, g.groups, mask);
+    std::tie(gx, gw, gb) =
+        at::convolution_backward(g_m, x, w, at::OptionalIntArrayRef(bias_sizes), {g.stride, g.stride}, {g.pad, g.pad},
+                                 {1, 1}, false, {0, 0}, g.groups, mask);
   }
   // Layouts as the fake kernel states: grad x in x's format, grad weight contiguous.
   return {mask[0] ? gx.contiguous(out_format(x)) : empty(), mask[1] ? gw.contiguous() : empty(),

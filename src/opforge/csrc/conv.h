@@ -27,16 +27,16 @@ inline Geometry check_conv_args(const char* op, const at::Tensor& x, const at::T
   check_float_tensor(w, op, "weight");
   check_dim(x, 4, op, "x");
   check_dim(w, 4, op, "weight");
-  TORCH_CHECK_VALUE(w.size(2) == 3 && w.size(3) == 3, op, ": weight must have a 3x3 kernel (shape (K, C/groups, 3, 3)), got shape ",
-                    w.sizes());
+  TORCH_CHECK_VALUE(w.size(2) == 3 && w.size(3) == 3, op,
+                    ": weight must have a 3x3 kernel (shape (K, C/groups, 3, 3)), got shape ", w.sizes());
   check_same_device(x, "x", w, "weight", op);
   TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), op, ": x and weight must have the same dtype, got x ",
                    x.scalar_type(), " and weight ", w.scalar_type());
   TORCH_CHECK_VALUE(stride == 1 || stride == 2, op, ": stride must be 1 or 2, got ", stride);
   TORCH_CHECK_VALUE(padding == 0 || padding == 1, op, ": padding must be 0 or 1, got ", padding);
   const int64_t C = x.size(1), K = w.size(0);
-  TORCH_CHECK_VALUE(groups == 1 || (groups == C && C > 0), op, ": groups must be 1 or the number of input channels (", C,
-                    "), got ", groups);
+  TORCH_CHECK_VALUE(groups == 1 || (groups == C && C > 0), op, ": groups must be 1 or the number of input channels (",
+                    C, "), got ", groups);
   Geometry g{};
   g.N = x.size(0);
   g.C = C;
@@ -61,9 +61,8 @@ inline Geometry check_conv_args(const char* op, const at::Tensor& x, const at::T
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == K, op, ": bias must have shape [", K, "], got ",
                       bias->sizes());
   }
-  TORCH_CHECK_VALUE(g.H + 2 * padding >= 3 && g.W + 2 * padding >= 3, op,
-                    ": x's spatial size (", g.H, ", ", g.W, ") with padding ", padding,
-                    " is smaller than the 3x3 kernel");
+  TORCH_CHECK_VALUE(g.H + 2 * padding >= 3 && g.W + 2 * padding >= 3, op, ": x's spatial size (", g.H, ", ", g.W,
+                    ") with padding ", padding, " is smaller than the 3x3 kernel");
   g.Ho = (g.H + 2 * padding - 3) / stride + 1;
   g.Wo = (g.W + 2 * padding - 3) / stride + 1;
   return g;
@@ -111,7 +110,11 @@ struct BackwardOperands {
 inline BackwardOperands backward_operands(const at::Tensor& grad_out, const c10::optional<at::Tensor>& result,
                                           const at::Tensor& x, const at::Tensor& w) {
   const auto fmt = out_format(x);
-  return {fmt, fmt == at::MemoryFormat::ChannelsLast, x.contiguous(fmt), w.contiguous(), grad_out.contiguous(fmt),
+  return {fmt,
+          fmt == at::MemoryFormat::ChannelsLast,
+          x.contiguous(fmt),
+          w.contiguous(),
+          grad_out.contiguous(fmt),
           (result.has_value() && result->defined()) ? result->contiguous(fmt) : at::Tensor()};
 }
 
@@ -119,18 +122,18 @@ inline void check_backward_args(const char* op, const at::Tensor& grad_out, cons
                                 const at::Tensor& x, const Geometry& g) {
   check_float_tensor(grad_out, op, "grad_out");
   check_same_device(x, "x", grad_out, "grad_out", op);
-  TORCH_CHECK_TYPE(grad_out.scalar_type() == x.scalar_type(), op, ": grad_out must have x's dtype ",
-                   x.scalar_type(), ", got ", grad_out.scalar_type());
+  TORCH_CHECK_TYPE(grad_out.scalar_type() == x.scalar_type(), op, ": grad_out must have x's dtype ", x.scalar_type(),
+                   ", got ", grad_out.scalar_type());
   const std::vector<int64_t> expect{g.N, out_channels(g), g.Ho, g.Wo};
   TORCH_CHECK_VALUE(grad_out.sizes() == at::IntArrayRef(expect), op, ": grad_out must have shape ",
                     at::IntArrayRef(expect), ", got ", grad_out.sizes());
   if (result.has_value() && result->defined()) {
     check_float_tensor(*result, op, "result");
     check_same_device(x, "x", *result, "result", op);
-    TORCH_CHECK_VALUE(result->sizes() == grad_out.sizes(), op, ": result must have grad_out's shape ",
-                      grad_out.sizes(), ", got ", result->sizes());
-    TORCH_CHECK_TYPE(result->scalar_type() == x.scalar_type(), op, ": result must have x's dtype ",
-                     x.scalar_type(), ", got ", result->scalar_type());
+    TORCH_CHECK_VALUE(result->sizes() == grad_out.sizes(), op, ": result must have grad_out's shape ", grad_out.sizes(),
+                      ", got ", result->sizes());
+    TORCH_CHECK_TYPE(result->scalar_type() == x.scalar_type(), op, ": result must have x's dtype ", x.scalar_type(),
+                     ", got ", result->scalar_type());
   }
 }
 

@@ -38,9 +38,7 @@ std::string build_info() {
 
 // The one TORCH_LIBRARY block of the `opforge` namespace; each op family adds
 // its schemas with TORCH_LIBRARY_FRAGMENT in csrc/<op>.cpp.
-TORCH_LIBRARY(opforge, m) {
-  m.def("_build_info() -> str", &build_info);
-}
+TORCH_LIBRARY(opforge, m) { m.def("_build_info() -> str", &build_info); }
 
 // Ops for tests and benchmarks only, not public API: single kernel paths
 // run alone (no fallback), so a test or timing knows what it exercised.

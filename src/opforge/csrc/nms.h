@@ -22,12 +22,11 @@ inline void check_args(const char* op, const at::Tensor& boxes, const at::Tensor
                        std::optional<double> score_threshold, std::optional<int64_t> max_output) {
   check_float_tensor(boxes, op, "boxes");
   check_float_tensor(scores, op, "scores");
-  TORCH_CHECK_VALUE(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must have shape (N, 4), got ",
-                    boxes.sizes());
+  TORCH_CHECK_VALUE(boxes.dim() == 2 && boxes.size(1) == 4, op, ": boxes must have shape (N, 4), got ", boxes.sizes());
   TORCH_CHECK_VALUE(scores.dim() == 1, op, ": scores must have shape (N,), got ", scores.sizes());
   TORCH_CHECK_VALUE(scores.size(0) == boxes.size(0), op,
-                    ": boxes and scores must have the same length, got boxes with ", boxes.size(0),
-                    " and scores with ", scores.size(0));
+                    ": boxes and scores must have the same length, got boxes with ", boxes.size(0), " and scores with ",
+                    scores.size(0));
   check_same_device(boxes, "boxes", scores, "scores", op);
   if (idxs.has_value()) {
     const auto& t = *idxs;
@@ -35,13 +34,12 @@ inline void check_args(const char* op, const at::Tensor& boxes, const at::Tensor
     TORCH_CHECK_TYPE(t.scalar_type() == c10::kLong || t.scalar_type() == c10::kInt, op,
                      ": idxs must be an int64 or int32 tensor, got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.dim() == 1, op, ": idxs must have shape (N,), got ", t.sizes());
-    TORCH_CHECK_VALUE(t.size(0) == boxes.size(0), op,
-                      ": boxes and idxs must have the same length, got boxes with ", boxes.size(0),
-                      " and idxs with ", t.size(0));
+    TORCH_CHECK_VALUE(t.size(0) == boxes.size(0), op, ": boxes and idxs must have the same length, got boxes with ",
+                      boxes.size(0), " and idxs with ", t.size(0));
     check_same_device(boxes, "boxes", t, "idxs", op);
   }
-  TORCH_CHECK_VALUE(iou_threshold >= 0.0 && iou_threshold <= 1.0, op,
-                    ": iou_threshold must be in [0, 1], got ", iou_threshold);
+  TORCH_CHECK_VALUE(iou_threshold >= 0.0 && iou_threshold <= 1.0, op, ": iou_threshold must be in [0, 1], got ",
+                    iou_threshold);
   if (score_threshold.has_value()) {
     TORCH_CHECK_VALUE(!std::isnan(*score_threshold), op, ": score_threshold must not be NaN");
   }

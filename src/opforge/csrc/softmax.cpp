@@ -25,8 +25,10 @@ TORCH_LIBRARY_FRAGMENT(opforge_bench, m) {
   // per row (or per chunk of a longer row), rows per block, 16-byte vectors
   // per thread, whether a row longer than one block may use a cluster, and
   // (forward) whether clusters stay resident and walk the rows.
-  m.def("softmax_plan(Tensor x, int threads_per_row, int rows_per_block, int vectors_per_thread, bool cluster, "
-        "bool persistent=False) -> Tensor");
-  m.def("softmax_backward_plan(Tensor grad, Tensor output, int threads_per_row, int rows_per_block, "
-        "int vectors_per_thread, bool cluster) -> Tensor");
+  m.def(
+      "softmax_plan(Tensor x, int threads_per_row, int rows_per_block, int vectors_per_thread, bool cluster, "
+      "bool persistent=False) -> Tensor");
+  m.def(
+      "softmax_backward_plan(Tensor grad, Tensor output, int threads_per_row, int rows_per_block, "
+      "int vectors_per_thread, bool cluster) -> Tensor");
 }

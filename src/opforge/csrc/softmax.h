@@ -26,8 +26,8 @@ enum class Mode : int { Softmax = 0, LogSoftmax = 1, ScaledMasked = 2 };
 // mask's last dim is contiguous (stride 1).
 struct RowOffset {
   static constexpr int kMaxDims = 8;
-  int ndim = 0;                // 0: no mask
-  int64_t sizes[kMaxDims] = {};   // leading dims, outer-most first
+  int ndim = 0;                    // 0: no mask
+  int64_t sizes[kMaxDims] = {};    // leading dims, outer-most first
   int64_t strides[kMaxDims] = {};  // the mask's strides for them (0 = broadcast)
 
   OPFORGE_HD int64_t operator()(int64_t row) const {

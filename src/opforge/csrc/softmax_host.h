@@ -22,8 +22,8 @@ namespace opforge::softmax {
 
 inline int64_t wrap_dim(const char* op, const at::Tensor& t, int64_t dim, const char* t_name) {
   const int64_t n = std::max<int64_t>(t.dim(), 1);
-  TORCH_CHECK_INDEX(dim >= -n && dim < n, op, ": dim must be in [", -n, ", ", n - 1, "] for a ", t.dim(), "-d ",
-                    t_name, ", got ", dim);
+  TORCH_CHECK_INDEX(dim >= -n && dim < n, op, ": dim must be in [", -n, ", ", n - 1, "] for a ", t.dim(), "-d ", t_name,
+                    ", got ", dim);
   return dim < 0 ? dim + n : dim;
 }
 
@@ -36,9 +36,9 @@ inline void view_3d(const at::Tensor& t, int64_t dim, int64_t& outer, int64_t& K
 }
 
 struct Prepared {
-  at::Tensor x;    // contiguous input (in the result dtype)
-  at::Tensor out;  // contiguous, uninitialised
-  at::Tensor mask; // kept alive while the kernel runs
+  at::Tensor x;     // contiguous input (in the result dtype)
+  at::Tensor out;   // contiguous, uninitialised
+  at::Tensor mask;  // kept alive while the kernel runs
   FwdArgs args;
 };
 

@@ -10,11 +10,11 @@
 
 namespace opforge::cpu::CPU_CAPABILITY {
 
-#define OPFORGE_ADD_LOOP(name, scalar_op, vec_body)                                                    \
-  void name(c10::ScalarType dtype, char** data, const int64_t* strides, int64_t n, int64_t m) {       \
-    OPFORGE_DISPATCH_FLOATING_TYPES(dtype, #name, [&] {                                                \
-      binary_loop2d<scalar_t>(data, strides, n, m, scalar_op, [](auto x, auto y) { vec_body });        \
-    });                                                                                                \
+#define OPFORGE_ADD_LOOP(name, scalar_op, vec_body)                                             \
+  void name(c10::ScalarType dtype, char** data, const int64_t* strides, int64_t n, int64_t m) { \
+    OPFORGE_DISPATCH_FLOATING_TYPES(dtype, #name, [&] {                                         \
+      binary_loop2d<scalar_t>(data, strides, n, m, scalar_op, [](auto x, auto y) { vec_body }); \
+    });                                                                                         \
   }
 
 OPFORGE_ADD_LOOP(add_loop, add_ops::Add{}, return x + y;)

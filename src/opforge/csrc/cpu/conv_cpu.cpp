@@ -36,8 +36,8 @@ OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nchw, c10::ScalarType, const opforge::co
 OPFORGE_CPU_DECLARE(void, conv_dw_wgrad_nhwc, c10::ScalarType, const opforge::conv::DwBackwardParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nchw_s2, c10::ScalarType, const opforge::conv::DwBackwardParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_dgrad_nhwc_s2, c10::ScalarType, const opforge::conv::DwBackwardParams&)
-OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t, bool,
-                    bool)
+OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t,
+                    bool, bool)
 
 namespace {
 
@@ -129,8 +129,8 @@ void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
   const auto op_dtype = at::toOpMathType(dtype);
   const auto op_opts = x.options().dtype(op_dtype);
   const at::Tensor w_op = w.to(op_dtype);
-  const at::Tensor wmat = nhwc ? w_op.permute({2, 3, 1, 0}).reshape({CK, K}).contiguous()
-                               : w_op.reshape({K, CK}).contiguous();
+  const at::Tensor wmat =
+      nhwc ? w_op.permute({2, 3, 1, 0}).reshape({CK, K}).contiguous() : w_op.reshape({K, CK}).contiguous();
   const int64_t esize = static_cast<int64_t>(c10::elementSize(op_dtype));
   int64_t tp = std::max<int64_t>(16, (kTileBytes / esize) / std::max<int64_t>(1, CK));
   tp = std::min<int64_t>(HoWo, (tp + 15) / 16 * 16);
@@ -216,9 +216,21 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const 
   }
   at::Tensor out = opforge::conv::empty_output(g, o);
   if (g.depthwise) {
-    opforge::conv::DwParams p{g.N, g.C, g.H, g.W, g.K, g.Ho, g.Wo, g.stride, g.pad, g.mult, relu,
-                              o.x.const_data_ptr(), o.w.const_data_ptr(),
-                              o.bias.defined() ? o.bias.const_data_ptr() : nullptr, out.data_ptr()};
+    opforge::conv::DwParams p{g.N,
+                              g.C,
+                              g.H,
+                              g.W,
+                              g.K,
+                              g.Ho,
+                              g.Wo,
+                              g.stride,
+                              g.pad,
+                              g.mult,
+                              relu,
+                              o.x.const_data_ptr(),
+                              o.w.const_data_ptr(),
+                              o.bias.defined() ? o.bias.const_data_ptr() : nullptr,
+                              out.data_ptr()};
     if (o.nhwc) {
       OPFORGE_CPU_SELECT(conv_dw_nhwc)(o.x.scalar_type(), p);
     } else {
@@ -229,7 +241,6 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x_in, const at::Tensor& w_in, const 
   }
   return out;
 }
-
 
 // Depthwise, multiplier 1 (see direct_depthwise_backward): grad x is, for stride
 // 1, the forward's loop run on grad_out (masked by the ReLU's result as it is
@@ -249,9 +260,9 @@ bool direct_depthwise_backward(const Geometry& g, const at::Tensor& x) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const at::Tensor& grad_out,
-                                                                          const c10::optional<at::Tensor>& result,
-                                                                          const at::Tensor& x_in, const at::Tensor& w_in,
-                                                                          const Geometry& g, std::array<bool, 3> want) {
+                                                                         const c10::optional<at::Tensor>& result,
+                                                                         const at::Tensor& x_in, const at::Tensor& w_in,
+                                                                         const Geometry& g, std::array<bool, 3> want) {
   const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
   const at::MemoryFormat fmt = o.fmt;
   const bool nhwc = o.nhwc;
@@ -263,15 +274,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
   at::Tensor gx = want[0] ? at::empty(x.sizes(), x.options().memory_format(fmt)) : empty();
   at::Tensor gw = want[1] ? at::empty(w.sizes(), w.options()) : empty();
   at::Tensor gb = want[2] ? at::empty({g.K}, x.options()) : empty();
-  const opforge::conv::DwBackwardParams p{g.N, g.C, g.H, g.W, g.Ho, g.Wo, g.pad, g.stride, go.const_data_ptr(), mask,
-                                          x.const_data_ptr(), w.const_data_ptr(), want[0] ? gx.data_ptr() : nullptr,
-                                          want[1] ? gw.data_ptr() : nullptr, want[2] ? gb.data_ptr() : nullptr};
+  const opforge::conv::DwBackwardParams p{g.N,
+                                          g.C,
+                                          g.H,
+                                          g.W,
+                                          g.Ho,
+                                          g.Wo,
+                                          g.pad,
+                                          g.stride,
+                                          go.const_data_ptr(),
+                                          mask,
+                                          x.const_data_ptr(),
+                                          w.const_data_ptr(),
+                                          want[0] ? gx.data_ptr() : nullptr,
+                                          want[1] ? gw.data_ptr() : nullptr,
+                                          want[2] ? gb.data_ptr() : nullptr};
   if (want[0] && g.stride == 2) {
     (nhwc ? OPFORGE_CPU_SELECT(conv_dw_dgrad_nhwc_s2) : OPFORGE_CPU_SELECT(conv_dw_dgrad_nchw_s2))(dtype, p);
   } else if (want[0]) {
     const at::Tensor wflip = w.flip({2, 3}).contiguous();
-    const opforge::conv::DwParams fp{g.N, g.C, g.Ho, g.Wo, g.C, g.H, g.W, 1, 2 - g.pad, 1, false,
-                                     go.const_data_ptr(), wflip.const_data_ptr(), nullptr, gx.data_ptr(), mask};
+    const opforge::conv::DwParams fp{g.N,
+                                     g.C,
+                                     g.Ho,
+                                     g.Wo,
+                                     g.C,
+                                     g.H,
+                                     g.W,
+                                     1,
+                                     2 - g.pad,
+                                     1,
+                                     false,
+                                     go.const_data_ptr(),
+                                     wflip.const_data_ptr(),
+                                     nullptr,
+                                     gx.data_ptr(),
+                                     mask};
     (nhwc ? OPFORGE_CPU_SELECT(conv_dw_nhwc) : OPFORGE_CPU_SELECT(conv_dw_nchw))(dtype, fp);
   }
   if (want[1] || want[2]) {
@@ -280,9 +317,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
   return {gx, gw, gb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
-    const at::Tensor& grad_out, const c10::optional<at::Tensor>& result, const at::Tensor& x, const at::Tensor& w,
-    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(const at::Tensor& grad_out,
+                                                                       const c10::optional<at::Tensor>& result,
+                                                                       const at::Tensor& x, const at::Tensor& w,
+                                                                       int64_t stride, int64_t padding, int64_t groups,
+                                                                       std::array<bool, 3> mask) {
   const Geometry g = opforge::conv::check_conv_args(kBwdOp, x, w, c10::nullopt, stride, padding, groups);
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, g);
   if (direct_depthwise_backward(g, x) && x.numel() > 0 && grad_out.numel() > 0) {

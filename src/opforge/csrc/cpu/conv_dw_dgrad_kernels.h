@@ -75,7 +75,9 @@ void dw_dgrad_nchw_s2(const conv::DwBackwardParams& p) {
         opmath_t* z = gplane.data() + oh * zlen + 1;
         int64_t ow = 0;
         for (; ow + L <= Wo; ow += L) load_passed(gr + ow, mr ? mr + ow : nullptr).store(z + ow);
-        if (ow < Wo) load_passed(gr + ow, mr ? mr + ow : nullptr, static_cast<int>(Wo - ow)).store(z + ow, static_cast<int>(Wo - ow));
+        if (ow < Wo)
+          load_passed(gr + ow, mr ? mr + ow : nullptr, static_cast<int>(Wo - ow))
+              .store(z + ow, static_cast<int>(Wo - ow));
       }
       V wv[9];
       for (int t = 0; t < 9; ++t) wv[t] = V(static_cast<opmath_t>(w[c * 9 + t]));

@@ -81,7 +81,7 @@ void dw_wgrad_nchw(const conv::DwBackwardParams& p) {
   scalar_t *gw = ptr.gw, *gb = ptr.gb;
   const int64_t C = p.C, H = p.H, W = p.W, Ho = p.Ho, Wo = p.Wo, pad = p.pad;
   const int64_t Wp = W + 2 * pad, Hp = H + 2 * pad;
-  const int64_t E = (Wp + 1) / 2;  // stride 2: the odd padded columns' offset in a staged row
+  const int64_t E = (Wp + 1) / 2;             // stride 2: the odd padded columns' offset in a staged row
   const int64_t wvec = (Wo + L - 1) / L * L;  // grad_out columns, whole vectors
   // Staged rows: whole vectors past the last tap a partial vector could read.
   const int64_t rowlen = std::max((Wp + L - 1) / L * L, wvec + 2) + L;
@@ -266,11 +266,15 @@ void dw_wgrad_nhwc(const conv::DwBackwardParams& p) {
           const bool full = c0 < cfull;
           const int cnt = full ? static_cast<int>(L) : static_cast<int>(C - c0);
           if (S == 1 && R == 2) {
-            if (full) dw_wgrad_nhwc_rows<scalar_t, 2, true>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
-            else dw_wgrad_nhwc_rows<scalar_t, 2, false>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            if (full)
+              dw_wgrad_nhwc_rows<scalar_t, 2, true>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            else
+              dw_wgrad_nhwc_rows<scalar_t, 2, false>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
           } else {
-            if (full) dw_wgrad_nhwc_rows<scalar_t, 1, true, S>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
-            else dw_wgrad_nhwc_rows<scalar_t, 1, false, S>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            if (full)
+              dw_wgrad_nhwc_rows<scalar_t, 1, true, S>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
+            else
+              dw_wgrad_nhwc_rows<scalar_t, 1, false, S>(xr, gr, mr, C, W, Wo, pad, c0, cnt, acc);
           }
           for (int t = 0; t < 10; ++t) (V::loadu(pc + t * Cp + c0) + acc[t]).store(pc + t * Cp + c0);
         }

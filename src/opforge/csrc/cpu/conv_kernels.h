@@ -67,12 +67,18 @@ struct VecIo {
 #if defined(CPU_CAPABILITY_AVX512)
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       __m512 o;
-      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      if constexpr (kBf16)
+        at::vec::cvtbf16_fp32(h, o);
+      else
+        at::vec::cvtfp16_fp32(h, o);
       return V(o);
 #elif defined(CPU_CAPABILITY_AVX2)
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       __m256 o;
-      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      if constexpr (kBf16)
+        at::vec::cvtbf16_fp32(h, o);
+      else
+        at::vec::cvtfp16_fp32(h, o);
       return V(o);
 #else
       return load(p, L);
@@ -87,7 +93,10 @@ struct VecIo {
 #if defined(CPU_CAPABILITY_AVX512)
       const __m256i h = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p);
       __m512 o;
-      if constexpr (kBf16) at::vec::cvtbf16_fp32(h, o); else at::vec::cvtfp16_fp32(h, o);
+      if constexpr (kBf16)
+        at::vec::cvtbf16_fp32(h, o);
+      else
+        at::vec::cvtfp16_fp32(h, o);
       return V(o);
 #else
       opmath_t buf[L] = {};
@@ -335,7 +344,8 @@ void dw_nchw(const conv::DwParams& p) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, rows_per_item * Wo * m));
   at::parallel_for(0, planes * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<opmath_t> plane_buf(Hp * rowlen + 64 / sizeof(opmath_t), opmath_t(0));
-    opmath_t* plane = reinterpret_cast<opmath_t*>((reinterpret_cast<uintptr_t>(plane_buf.data()) + 63) & ~uintptr_t(63));
+    opmath_t* plane =
+        reinterpret_cast<opmath_t*>((reinterpret_cast<uintptr_t>(plane_buf.data()) + 63) & ~uintptr_t(63));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t nc = item / chunks, oh0 = (item % chunks) * rows_per_item;
       const int64_t oh1 = std::min(Ho, oh0 + rows_per_item);
@@ -629,15 +639,19 @@ void dw_nhwc(const conv::DwParams& p) {
       }
       if (s == 1) {
         if (R == 2) {
-          dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+          dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+                                       next_avail);
         } else {
-          dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+          dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+                                       next_avail);
         }
       } else {
         if (R == 2) {
-          dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+          dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+                                       next_avail);
         } else {
-          dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows, next_avail);
+          dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+                                       next_avail);
         }
       }
     }

@@ -31,16 +31,16 @@
 
 OPFORGE_CPU_DECLARE(void, nms_suppress_f32, const float*, const float*, const float*, const float*, const float*,
                     const int64_t*, int64_t, int64_t, int64_t, float, uint8_t*)
-OPFORGE_CPU_DECLARE(void, nms_suppress_f64, const double*, const double*, const double*, const double*,
-                    const double*, const int64_t*, int64_t, int64_t, int64_t, double, uint8_t*)
+OPFORGE_CPU_DECLARE(void, nms_suppress_f64, const double*, const double*, const double*, const double*, const double*,
+                    const int64_t*, int64_t, int64_t, int64_t, double, uint8_t*)
 
 namespace {
 
 constexpr int64_t kBlock = 256;
 
 template <typename T>
-using SuppressFn = void (*)(const T*, const T*, const T*, const T*, const T*, const int64_t*, int64_t, int64_t,
-                            int64_t, T, uint8_t*);
+using SuppressFn = void (*)(const T*, const T*, const T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
+                            T, uint8_t*);
 
 template <typename T>
 SuppressFn<T> pick_suppress() {

@@ -27,8 +27,8 @@ inline bool iou_above(T ix1, T iy1, T ix2, T iy2, T iarea, T jx1, T jy1, T jx2, 
 }
 
 template <typename T>
-void suppress(const T* x1, const T* y1, const T* x2, const T* y2, const T* area, const int64_t* rows,
-              int64_t nrows, int64_t lo, int64_t hi, T thr, uint8_t* removed) {
+void suppress(const T* x1, const T* y1, const T* x2, const T* y2, const T* area, const int64_t* rows, int64_t nrows,
+              int64_t lo, int64_t hi, T thr, uint8_t* removed) {
   using V = at::vec::Vectorized<T>;
   constexpr int64_t W = V::size();
   constexpr int all_lanes = static_cast<int>((uint64_t(1) << W) - 1);
@@ -75,9 +75,8 @@ void nms_suppress_f32(const float* x1, const float* y1, const float* x2, const f
   suppress<float>(x1, y1, x2, y2, area, rows, nrows, lo, hi, thr, removed);
 }
 
-void nms_suppress_f64(const double* x1, const double* y1, const double* x2, const double* y2,
-                      const double* area, const int64_t* rows, int64_t nrows, int64_t lo, int64_t hi, double thr,
-                      uint8_t* removed) {
+void nms_suppress_f64(const double* x1, const double* y1, const double* x2, const double* y2, const double* area,
+                      const int64_t* rows, int64_t nrows, int64_t lo, int64_t hi, double thr, uint8_t* removed) {
   suppress<double>(x1, y1, x2, y2, area, rows, nrows, lo, hi, thr, removed);
 }
 

@@ -47,8 +47,8 @@ at::Tensor log_softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& ou
 }
 
 at::Tensor scaled_masked_softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& output, double scale) {
-  return run_backward(sm::prepare_backward("opforge._scaled_masked_softmax_backward", sm::Mode::ScaledMasked, grad,
-                                           output, -1, scale));
+  return run_backward(
+      sm::prepare_backward("opforge._scaled_masked_softmax_backward", sm::Mode::ScaledMasked, grad, output, -1, scale));
 }
 
 }  // namespace

@@ -151,7 +151,6 @@ inline Vectorized<A> vexp(const Vectorized<A>& v) {
   }
 }
 
-
 // max that propagates NaN, as torch's reductions do.
 template <typename A>
 inline A max_nan(A a, A b) {
@@ -196,7 +195,8 @@ inline void log_softmax_from_acc(const float* src, T* dst, int64_t n, float m, f
   const V vm(m), vl(l);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    ChunkIO<T>::template store<kFinite>(dst + i, (V::loadu(src + i) - vm) - vl, (V::loadu(src + i + V::size()) - vm) - vl);
+    ChunkIO<T>::template store<kFinite>(dst + i, (V::loadu(src + i) - vm) - vl,
+                                        (V::loadu(src + i + V::size()) - vm) - vl);
   }
   for (; i < n; ++i) dst[i] = static_cast<T>((src[i] - m) - l);
 }
@@ -814,7 +814,6 @@ void fwd_rows(const sm::FwdArgs& a) {
     if (stream) stream_fence();
   });
 }
-
 
 // ------------------------------------------------------------------ forward, outer dim
 

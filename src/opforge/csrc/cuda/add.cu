@@ -15,8 +15,8 @@
 namespace {
 
 template <typename Op>
-at::Tensor run(const char* op_name, const at::Tensor& a, const char* a_name, const at::Tensor& b,
-               const char* b_name, Op op) {
+at::Tensor run(const char* op_name, const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
+               Op op) {
   if (opforge::is_flat_binary(a, b)) {
     const c10::cuda::CUDAGuard guard(a.device());
     auto out = at::empty_like(a, at::MemoryFormat::Contiguous);
@@ -28,9 +28,8 @@ at::Tensor run(const char* op_name, const at::Tensor& a, const char* a_name, con
   }
   auto iter = opforge::make_binary_float_iter(op_name, a, a_name, b, b_name);
   const c10::cuda::CUDAGuard guard(iter.device());
-  OPFORGE_DISPATCH_FLOATING_TYPES(iter.dtype(0), "opforge_add_family", [&] {
-    opforge::cuda::binary_kernel<scalar_t>(iter, op);
-  });
+  OPFORGE_DISPATCH_FLOATING_TYPES(iter.dtype(0), "opforge_add_family",
+                                  [&] { opforge::cuda::binary_kernel<scalar_t>(iter, op); });
   return iter.output();
 }
 

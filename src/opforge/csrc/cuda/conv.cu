@@ -124,8 +124,8 @@ void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, bool relu, bool nhwc, 
 bool prefer_cudnn_fused() {
   const auto v = c10::utils::get_env("OPFORGE_CONV_DENSE_ENGINE");
   if (!v.has_value() || v->empty() || *v == "cudnn") return true;
-  TORCH_CHECK_VALUE(*v == "opforge", kOp, ": OPFORGE_CONV_DENSE_ENGINE must be \"cudnn\" or \"opforge\", got \"",
-                    *v, "\"");
+  TORCH_CHECK_VALUE(*v == "opforge", kOp, ": OPFORGE_CONV_DENSE_ENGINE must be \"cudnn\" or \"opforge\", got \"", *v,
+                    "\"");
   return false;
 }
 
@@ -197,8 +197,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& 
   }
   const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
   const bool conv_grads = mask[0] || mask[1];
-  at::Tensor masked = o.result.defined() && conv_grads ? at::empty(o.grad_out.sizes(), o.grad_out.options().memory_format(o.fmt))
-                                                       : at::Tensor();
+  at::Tensor masked = o.result.defined() && conv_grads
+                          ? at::empty(o.grad_out.sizes(), o.grad_out.options().memory_format(o.fmt))
+                          : at::Tensor();
   at::Tensor gb = at::empty({g.K}, o.x.options());
   opforge::conv::masked_grad_bias_cuda(o.grad_out, o.result, masked, gb, o.nhwc);
   auto empty = [&] { return at::empty({0}, o.x.options()); };
@@ -211,9 +212,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& 
   return {mask[0] ? gx.contiguous(o.fmt) : empty(), mask[1] ? gw.contiguous() : empty(), gb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
-    const at::Tensor& grad_out, const c10::optional<at::Tensor>& result, const at::Tensor& x_in, const at::Tensor& w_in,
-    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(const at::Tensor& grad_out,
+                                                                        const c10::optional<at::Tensor>& result,
+                                                                        const at::Tensor& x_in, const at::Tensor& w_in,
+                                                                        int64_t stride, int64_t padding, int64_t groups,
+                                                                        std::array<bool, 3> mask) {
   const Geometry g = opforge::conv::check_conv_args(kBwdOp, x_in, w_in, c10::nullopt, stride, padding, groups);
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x_in, g);
   const c10::cuda::CUDAGuard guard(x_in.device());

@@ -41,7 +41,7 @@ constexpr int kWarps = kThreads / 32;
 // written to `masked` when that is not null.
 template <typename T, int V>
 __device__ __forceinline__ AlignedVec<T, V> masked_vec(const T* __restrict__ go, const T* __restrict__ res,
-                                                      T* __restrict__ masked, int64_t i) {
+                                                       T* __restrict__ masked, int64_t i) {
   AlignedVec<T, V> g = opforge::cuda::load_vec<T, V>(go, i);
   if (res != nullptr) {
     const AlignedVec<T, V> r = opforge::cuda::load_vec<T, V>(res, i);
@@ -59,10 +59,10 @@ __device__ __forceinline__ AlignedVec<T, V> masked_vec(const T* __restrict__ go,
 // <= kThreads), blockIdx.y picking which `lanes` vectors of the row.
 // part[b * K + k]: the block's sum of channel k.
 template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) bias_grad_nhwc(const T* __restrict__ go, const T* __restrict__ res,
-                                                          T* __restrict__ masked, at::opmath_type<T>* __restrict__ part,
-                                                          int64_t rows, int64_t cols, int lanes, int rows_per_step,
-                                                          int64_t rows_per_block) {
+__global__ void __launch_bounds__(kThreads)
+    bias_grad_nhwc(const T* __restrict__ go, const T* __restrict__ res, T* __restrict__ masked,
+                   at::opmath_type<T>* __restrict__ part, int64_t rows, int64_t cols, int lanes, int rows_per_step,
+                   int64_t rows_per_block) {
   using A = at::opmath_type<T>;
   __shared__ A sums[kThreads * V];
   const int lane = threadIdx.x % lanes;
@@ -98,9 +98,9 @@ __global__ void __launch_bounds__(kThreads) bias_grad_nhwc(const T* __restrict__
 // NCHW: warp w of the grid sums split (w % splits) of plane (w / splits),
 // `chunk` elements (a multiple of V) of its `plane` elements; part[w].
 template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) bias_grad_nchw(const T* __restrict__ go, const T* __restrict__ res,
-                                                          T* __restrict__ masked, at::opmath_type<T>* __restrict__ part,
-                                                          int64_t items, int64_t plane, int splits, int64_t chunk) {
+__global__ void __launch_bounds__(kThreads)
+    bias_grad_nchw(const T* __restrict__ go, const T* __restrict__ res, T* __restrict__ masked,
+                   at::opmath_type<T>* __restrict__ part, int64_t items, int64_t plane, int splits, int64_t chunk) {
   using A = at::opmath_type<T>;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (item >= items) return;  // whole warps: no block barrier below
@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(kThreads) bias_grad_nchw(const T* __restrict__
 // part[a * outer_stride + k * inner + b], one block per channel; every
 // thread adds its share in a fixed order and the block's reduction is fixed.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) bias_grad_finish(const at::opmath_type<T>* __restrict__ part,
-                                                            T* __restrict__ gb, int64_t outer, int64_t outer_stride,
-                                                            int64_t inner) {
+__global__ void __launch_bounds__(kThreads)
+    bias_grad_finish(const at::opmath_type<T>* __restrict__ part, T* __restrict__ gb, int64_t outer,
+                     int64_t outer_stride, int64_t inner) {
   using A = at::opmath_type<T>;
   const int64_t k = blockIdx.x;
   A acc = A(0);
@@ -179,12 +179,12 @@ void launch_nchw(const T* go, const T* res, T* masked, T* gb, int64_t N, int64_t
   const int64_t items = planes * splits;
   at::Tensor part = at::empty({items}, opts.dtype(c10::CppTypeToScalarType<A>::value));
   const int64_t blocks = (items + kWarps - 1) / kWarps;
-  bias_grad_nchw<T, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(go, res, masked, part.mutable_data_ptr<A>(),
-                                                                              items, plane, splits, chunk);
+  bias_grad_nchw<T, V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      go, res, masked, part.mutable_data_ptr<A>(), items, plane, splits, chunk);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (gb != nullptr) {
-    bias_grad_finish<T><<<static_cast<unsigned>(K), kThreads, 0, stream>>>(part.const_data_ptr<A>(), gb, N,
-                                                                             K * splits, splits);
+    bias_grad_finish<T>
+        <<<static_cast<unsigned>(K), kThreads, 0, stream>>>(part.const_data_ptr<A>(), gb, N, K * splits, splits);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -60,8 +60,8 @@ namespace {
 // tile (kBM pixels x kBN channels), the warp grid and the stage count are
 // template parameters of the kernel (see `launch` for the ones used).
 constexpr int kBKBytes = 64;
-constexpr int kRowBytes = kBKBytes + 16;       // padded shared-memory row (conflict free)
-constexpr int kChunksPerRow = kBKBytes / 16;   // 16-byte chunks per row: 4
+constexpr int kRowBytes = kBKBytes + 16;      // padded shared-memory row (conflict free)
+constexpr int kChunksPerRow = kBKBytes / 16;  // 16-byte chunks per row: 4
 static_assert(kRowBytes % 16 == 0, "cp.async and ldmatrix need 16-byte aligned rows");
 
 // Shared memory of one configuration: kStages x (A tile + B tile).
@@ -76,8 +76,8 @@ struct Params {
   const void* bias;  // (K) or nullptr
   void* out;         // (N, K, Ho, Wo), NCHW or NHWC memory
   int N, C, H, W, K, Ho, Wo, stride, pad;
-  int M;     // N * Ho * Wo
-  int Kg;    // 9 * C
+  int M;   // N * Ho * Wo
+  int Kg;  // 9 * C
   int tiles_n;
   bool relu;
   bool out_nhwc;
@@ -91,8 +91,7 @@ using opforge::cuda::cp_async_commit;
 using opforge::cuda::cp_async_wait;
 using opforge::cuda::smem_u32;
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
-                                            uint32_t& r3) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
@@ -440,8 +439,8 @@ constexpr int kTrTile = 64;
 constexpr int kTrThreads = 256;
 
 template <typename U>
-__global__ void __launch_bounds__(kTrThreads) nchw_to_nhwc_kernel(const U* __restrict__ in, U* __restrict__ out,
-                                                                  int C, int HW) {
+__global__ void __launch_bounds__(kTrThreads)
+    nchw_to_nhwc_kernel(const U* __restrict__ in, U* __restrict__ out, int C, int HW) {
   constexpr int kPad = 4 / static_cast<int>(sizeof(U));
   __shared__ U tile[kTrTile][kTrTile + kPad];
   const int p0 = blockIdx.x * kTrTile;
@@ -473,17 +472,17 @@ at::Tensor to_nhwc(const at::Tensor& x) {
     return xp.contiguous();
   }
   at::Tensor out = at::empty(xp.sizes(), x.options());
-  const dim3 grid(static_cast<unsigned>((HW + kTrTile - 1) / kTrTile), static_cast<unsigned>((C + kTrTile - 1) / kTrTile),
-                  static_cast<unsigned>(N));
+  const dim3 grid(static_cast<unsigned>((HW + kTrTile - 1) / kTrTile),
+                  static_cast<unsigned>((C + kTrTile - 1) / kTrTile), static_cast<unsigned>(N));
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (x.element_size() == 2) {
-    nchw_to_nhwc_kernel<uint16_t><<<grid, kTrThreads, 0, stream>>>(
-        static_cast<const uint16_t*>(x.data_ptr()), static_cast<uint16_t*>(out.data_ptr()), static_cast<int>(C),
-        static_cast<int>(HW));
+    nchw_to_nhwc_kernel<uint16_t><<<grid, kTrThreads, 0, stream>>>(static_cast<const uint16_t*>(x.data_ptr()),
+                                                                   static_cast<uint16_t*>(out.data_ptr()),
+                                                                   static_cast<int>(C), static_cast<int>(HW));
   } else {
-    nchw_to_nhwc_kernel<uint32_t><<<grid, kTrThreads, 0, stream>>>(
-        static_cast<const uint32_t*>(x.data_ptr()), static_cast<uint32_t*>(out.data_ptr()), static_cast<int>(C),
-        static_cast<int>(HW));
+    nchw_to_nhwc_kernel<uint32_t><<<grid, kTrThreads, 0, stream>>>(static_cast<const uint32_t*>(x.data_ptr()),
+                                                                   static_cast<uint32_t*>(out.data_ptr()),
+                                                                   static_cast<int>(C), static_cast<int>(HW));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
@@ -555,8 +554,8 @@ void launch(const Params& p) {
 
 namespace opforge::conv {
 
-bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                               int64_t stride, int64_t padding, bool relu, at::Tensor& out) {
+bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                               int64_t padding, bool relu, at::Tensor& out) {
   // ---- what this kernel handles; anything else goes back to the caller ----
   if (!x.is_cuda() || !w.is_cuda() || !out.is_cuda()) return false;
   const auto dtype = x.scalar_type();
@@ -583,8 +582,7 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   // 32-bit index limits (offsets into x, w and out are 64-bit).
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   const int64_t M = N * Ho * Wo;
-  if (M > kIntMax - 128 || K > kIntMax - 128 || 9 * C > kIntMax || N > kIntMax || H > kIntMax / 4 ||
-      W > kIntMax / 4)
+  if (M > kIntMax - 128 || K > kIntMax - 128 || 9 * C > kIntMax || N > kIntMax || H > kIntMax / 4 || W > kIntMax / 4)
     return false;
 
   bool out_nhwc;
@@ -657,16 +655,16 @@ at::Tensor conv3x3_dense_mma_entry(const at::Tensor& x, const at::Tensor& w, con
   opforge::check_same_device(x, "x", w, "w", op);
   TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), op, ": w must have x's dtype ", x.scalar_type(), ", got ",
                    w.scalar_type());
-  TORCH_CHECK_VALUE(w.size(1) == x.size(1) && w.size(2) == 3 && w.size(3) == 3, op,
-                    ": w must have shape (K, ", opforge::num(x.size(1)), ", 3, 3), got ", opforge::shape(w.sizes()));
+  TORCH_CHECK_VALUE(w.size(1) == x.size(1) && w.size(2) == 3 && w.size(3) == 3, op, ": w must have shape (K, ",
+                    opforge::num(x.size(1)), ", 3, 3), got ", opforge::shape(w.sizes()));
   TORCH_CHECK_VALUE(stride == 1 || stride == 2, op, ": stride must be 1 or 2, got ", opforge::num(stride));
   TORCH_CHECK_VALUE(padding == 0 || padding == 1, op, ": padding must be 0 or 1, got ", opforge::num(padding));
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = *bias;
     opforge::check_same_device(x, "x", b, "bias", op);
-    TORCH_CHECK_TYPE(b.scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ", x.scalar_type(),
-                     ", got ", b.scalar_type());
+    TORCH_CHECK_TYPE(b.scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ", x.scalar_type(), ", got ",
+                     b.scalar_type());
     TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == w.size(0), op, ": bias must have shape (", opforge::num(w.size(0)),
                       "), got ", opforge::shape(b.sizes()));
   }
@@ -683,7 +681,8 @@ at::Tensor conv3x3_dense_mma_entry(const at::Tensor& x, const at::Tensor& w, con
   at::Tensor out = at::empty({x.size(0), w.size(0), Ho, Wo}, x.options().memory_format(fmt));
   if (out.numel() == 0) return out;
   const bool done = opforge::conv::conv3x3_dense_forward_mma(x, w, b, stride, padding, relu, out);
-  TORCH_CHECK(done, op, ": the tensor-core path declines this case (dtype ", x.scalar_type(), ", C=", opforge::num(x.size(1)),
+  TORCH_CHECK(done, op, ": the tensor-core path declines this case (dtype ", x.scalar_type(),
+              ", C=", opforge::num(x.size(1)),
               "; it needs bfloat16/float16 with C % 8 == 0, or float32 with C % 4 == 0 and TF32 allowed for "
               "cuDNN convolutions, on sm_80 or newer)");
   return out;
@@ -691,6 +690,4 @@ at::Tensor conv3x3_dense_mma_entry(const at::Tensor& x, const at::Tensor& w, con
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(opforge_bench, CUDA, m) {
-  m.impl("conv_dense_mma", &conv3x3_dense_mma_entry);
-}
+TORCH_LIBRARY_IMPL(opforge_bench, CUDA, m) { m.impl("conv_dense_mma", &conv3x3_dense_mma_entry); }

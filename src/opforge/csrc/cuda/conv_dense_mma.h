@@ -6,6 +6,6 @@ namespace opforge::conv {
 // out = act(conv3x3(x, w) + bias) for groups == 1 on CUDA; x (N,C,H,W) contiguous or channels_last,
 // w (K,C,3,3), bias (K) or undefined; stride 1|2, padding 0|1; relu fused. Returns false if this
 // kernel does not handle the case (dtype/shape/alignment), so the caller falls back.
-bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                               int64_t stride, int64_t padding, bool relu, at::Tensor& out);
-}
+bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                               int64_t padding, bool relu, at::Tensor& out);
+}  // namespace opforge::conv

@@ -57,9 +57,13 @@ __device__ __forceinline__ double div_rn(double a, double b) { return __ddiv_rn(
 
 // std::max / std::min (exact; NaN cases never suppress either way).
 template <typename T>
-__device__ __forceinline__ T max_(T a, T b) { return a < b ? b : a; }
+__device__ __forceinline__ T max_(T a, T b) {
+  return a < b ? b : a;
+}
 template <typename T>
-__device__ __forceinline__ T min_(T a, T b) { return b < a ? b : a; }
+__device__ __forceinline__ T min_(T a, T b) {
+  return b < a ? b : a;
+}
 
 template <typename T>
 __device__ __forceinline__ T box_area(T x1, T y1, T x2, T y2) {
@@ -104,7 +108,10 @@ __global__ void end_block_kernel(const int64_t* __restrict__ cls, int64_t n, int
     int64_t lo = last, hi = n - 1;  // cls[lo] == c; find the last position with cls == c
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo + 1) / 2;
-      if (cls[mid] == c) lo = mid; else hi = mid - 1;
+      if (cls[mid] == c)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     end_block[b] = lo / kTile;
   }
@@ -114,10 +121,9 @@ __global__ void end_block_kernel(const int64_t* __restrict__ cls, int64_t n, int
 // cb0 + blockIdx.x. mask rows are local to the chunk (row - 64 * cb0),
 // columns too (c - cb0), with `stride` = nb - cb0 words per row.
 template <typename T>
-__global__ void __launch_bounds__(kTile) mask_kernel(const T* __restrict__ boxes, const int64_t* __restrict__ cls,
-                                                    int64_t n, int64_t nb, int64_t cb0, T thr,
-                                                    const int64_t* __restrict__ count, int64_t max_keep,
-                                                    u64* __restrict__ mask) {
+__global__ void __launch_bounds__(kTile)
+    mask_kernel(const T* __restrict__ boxes, const int64_t* __restrict__ cls, int64_t n, int64_t nb, int64_t cb0, T thr,
+                const int64_t* __restrict__ count, int64_t max_keep, u64* __restrict__ mask) {
   const int64_t rb = cb0 + blockIdx.y;
   const int64_t cb = cb0 + blockIdx.x;
   if (cb < rb) return;
@@ -154,8 +160,7 @@ __global__ void __launch_bounds__(kTile) mask_kernel(const T* __restrict__ boxes
   u64 bits = 0;
   for (int k = (cb == rb) ? t + 1 : 0; k < cols; ++k) {
     if (s_cls[k] == ic &&
-        iou_above<T>(ix1, iy1, ix2, iy2, iarea, s_box[k][0], s_box[k][1], s_box[k][2], s_box[k][3], s_box[k][4],
-                     thr)) {
+        iou_above<T>(ix1, iy1, ix2, iy2, iarea, s_box[k][0], s_box[k][1], s_box[k][2], s_box[k][3], s_box[k][4], thr)) {
       bits |= u64(1) << k;
     }
   }
@@ -165,11 +170,10 @@ __global__ void __launch_bounds__(kTile) mask_kernel(const T* __restrict__ boxes
 // The sweep over column blocks [cb0, cb1) of one chunk (one thread block).
 // `count` carries the number kept so far between chunks; once it reaches
 // max_keep nothing more is kept.
-__global__ void __launch_bounds__(kSweepThreads) sweep_kernel(const u64* __restrict__ mask,
-                                                              const int64_t* __restrict__ end_block, int64_t nb,
-                                                              int64_t cb0, int64_t cb1, int64_t max_keep,
-                                                              u64* __restrict__ removed, u64* __restrict__ keep_bits,
-                                                              int64_t* __restrict__ count) {
+__global__ void __launch_bounds__(kSweepThreads)
+    sweep_kernel(const u64* __restrict__ mask, const int64_t* __restrict__ end_block, int64_t nb, int64_t cb0,
+                 int64_t cb1, int64_t max_keep, u64* __restrict__ removed, u64* __restrict__ keep_bits,
+                 int64_t* __restrict__ count) {
   __shared__ u64 s_diag[kTile];
   __shared__ int s_rows[kTile];
   __shared__ int s_nrows;
@@ -281,8 +285,8 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
   auto* removed_p = reinterpret_cast<u64*>(state.data_ptr<int64_t>());
   auto* keep_p = removed_p + nb;
   int64_t* kept_count_p = state.data_ptr<int64_t>() + 2 * nb;
-  init_kernel<<<opforge::cuda::grid_for(nb, 256), 256, 0, stream>>>(
-      valid.defined() ? valid.data_ptr<bool>() : nullptr, n, nb, removed_p, keep_p, kept_count_p);
+  init_kernel<<<opforge::cuda::grid_for(nb, 256), 256, 0, stream>>>(valid.defined() ? valid.data_ptr<bool>() : nullptr,
+                                                                    n, nb, removed_p, keep_p, kept_count_p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor end_block;
   if (cls_sorted.defined()) {
@@ -336,8 +340,8 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
 }
 
 at::Tensor nms_sized(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
-                     const std::optional<at::Tensor>& idxs, double iou_threshold,
-                     std::optional<double> score_threshold, std::optional<int64_t> max_output) {
+                     const std::optional<at::Tensor>& idxs, double iou_threshold, std::optional<double> score_threshold,
+                     std::optional<int64_t> max_output) {
   opforge::nms::check_args(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output);
   const int64_t out_len = std::min(boxes.size(0), max_output.value_or(std::numeric_limits<int64_t>::max()));
   auto [out, count] = nms_cuda_impl(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output, out_len);

@@ -16,9 +16,7 @@ namespace opforge {
 // when nvcc's host compiler and the libstdc++ loaded at run time differ,
 // those copies have been seen to crash while formatting an error message.
 // Messages in code that .cu files include therefore stream only strings.
-inline std::string num(int64_t v) {
-  return std::to_string(v);
-}
+inline std::string num(int64_t v) { return std::to_string(v); }
 
 inline std::string shape(c10::IntArrayRef sizes) {
   std::string out = "[";
@@ -33,19 +31,32 @@ inline std::string shape(c10::IntArrayRef sizes) {
 // read the same as those raised by the Python wrappers.
 inline std::string dtype_name(c10::ScalarType t) {
   switch (t) {
-    case c10::kByte: return "torch.uint8";
-    case c10::kChar: return "torch.int8";
-    case c10::kShort: return "torch.int16";
-    case c10::kInt: return "torch.int32";
-    case c10::kLong: return "torch.int64";
-    case c10::kBool: return "torch.bool";
-    case c10::kHalf: return "torch.float16";
-    case c10::kBFloat16: return "torch.bfloat16";
-    case c10::kFloat: return "torch.float32";
-    case c10::kDouble: return "torch.float64";
-    case c10::kComplexFloat: return "torch.complex64";
-    case c10::kComplexDouble: return "torch.complex128";
-    default: return std::string("torch.") + c10::toString(t);
+    case c10::kByte:
+      return "torch.uint8";
+    case c10::kChar:
+      return "torch.int8";
+    case c10::kShort:
+      return "torch.int16";
+    case c10::kInt:
+      return "torch.int32";
+    case c10::kLong:
+      return "torch.int64";
+    case c10::kBool:
+      return "torch.bool";
+    case c10::kHalf:
+      return "torch.float16";
+    case c10::kBFloat16:
+      return "torch.bfloat16";
+    case c10::kFloat:
+      return "torch.float32";
+    case c10::kDouble:
+      return "torch.float64";
+    case c10::kComplexFloat:
+      return "torch.complex64";
+    case c10::kComplexDouble:
+      return "torch.complex128";
+    default:
+      return std::string("torch.") + c10::toString(t);
   }
 }
 
@@ -60,11 +71,10 @@ inline void check_float_tensor(const at::Tensor& t, const char* op, const char* 
                    " must be a float32, float64, float16 or bfloat16 tensor, got ", dtype_name(t.scalar_type()));
 }
 
-inline void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b,
-                              const char* b_name, const char* op) {
-  TORCH_CHECK_VALUE(a.device() == b.device(), op, ": ", a_name, " and ", b_name,
-                    " must be on the same device, got ", a_name, " on ", a.device(), " and ", b_name,
-                    " on ", b.device());
+inline void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
+                              const char* op) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), op, ": ", a_name, " and ", b_name, " must be on the same device, got ",
+                    a_name, " on ", a.device(), " and ", b_name, " on ", b.device());
 }
 
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {

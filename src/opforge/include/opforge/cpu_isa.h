@@ -24,15 +24,16 @@ enum class Isa { Default, Avx2, Avx512 };
 inline bool cpu_supports(Isa isa) {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi") &&
-                    __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+                    __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
   switch (isa) {
     case Isa::Avx512:
       return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    case Isa::Avx2: return avx2;
-    default: return true;
+    case Isa::Avx2:
+      return avx2;
+    default:
+      return true;
   }
 #else
   // Elsewhere the ISA builds compile as the portable one (cpu_isa_begin.h
@@ -55,28 +56,31 @@ inline Isa isa() {
 
 inline const char* isa_name() {
   switch (isa()) {
-    case Isa::Avx512: return "AVX512";
-    case Isa::Avx2: return "AVX2";
-    default: return "DEFAULT";
+    case Isa::Avx512:
+      return "AVX512";
+    case Isa::Avx2:
+      return "AVX2";
+    default:
+      return "DEFAULT";
   }
 }
 
 }  // namespace opforge::cpu
 
 // Declares `fn` (with the given signature) in every ISA namespace.
-#define OPFORGE_CPU_DECLARE(ret, fn, ...)  \
-  namespace opforge::cpu::DEFAULT {        \
-  ret fn(__VA_ARGS__);                     \
-  }                                        \
-  namespace opforge::cpu::AVX2 {           \
-  ret fn(__VA_ARGS__);                     \
-  }                                        \
-  namespace opforge::cpu::AVX512 {         \
-  ret fn(__VA_ARGS__);                     \
+#define OPFORGE_CPU_DECLARE(ret, fn, ...) \
+  namespace opforge::cpu::DEFAULT {       \
+  ret fn(__VA_ARGS__);                    \
+  }                                       \
+  namespace opforge::cpu::AVX2 {          \
+  ret fn(__VA_ARGS__);                    \
+  }                                       \
+  namespace opforge::cpu::AVX512 {        \
+  ret fn(__VA_ARGS__);                    \
   }
 
 // A pointer to the best compiled version of `fn` for this CPU.
-#define OPFORGE_CPU_SELECT(fn)                                                   \
+#define OPFORGE_CPU_SELECT(fn)                                                        \
   (::opforge::cpu::isa() == ::opforge::cpu::Isa::Avx512 ? &::opforge::cpu::AVX512::fn \
    : ::opforge::cpu::isa() == ::opforge::cpu::Isa::Avx2 ? &::opforge::cpu::AVX2::fn   \
                                                         : &::opforge::cpu::DEFAULT::fn)

@@ -74,7 +74,9 @@
 #define CPU_CAPABILITY AVX512
 #if defined(__x86_64__) || defined(_M_X64)
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt"))), apply_to = function)
+#pragma clang attribute push(                                                                          \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt"))), \
+    apply_to = function)
 #else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
 #endif

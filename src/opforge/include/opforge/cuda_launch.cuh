@@ -13,9 +13,7 @@
 namespace opforge::cuda {
 
 // Number of SMs of the current device (cached by ATen).
-inline int sm_count() {
-  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-}
+inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
 // Blocks for a grid-stride loop over `items` work items with `threads` per
 // block: enough to fill every SM (`max_threads_per_sm / threads` blocks each)
@@ -27,9 +25,7 @@ inline int64_t grid_for(int64_t items, int threads) {
   return std::max<int64_t>(1, std::min<int64_t>(needed, per_sm * prop->multiProcessorCount));
 }
 
-inline bool is_aligned(const void* p, size_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
+inline bool is_aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Largest V (elements per access, at most 16 bytes) dividing `multiple_of`
 // with every pointer aligned to V elements: the vector width of a kernel

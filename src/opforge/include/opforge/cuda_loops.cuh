@@ -52,7 +52,8 @@ __global__ void binary_contiguous_kernel(scalar_t* __restrict__ out, const scala
         V r;
 #pragma unroll
         for (int k = 0; k < N; ++k)
-          r.val[k] = static_cast<scalar_t>(op(static_cast<opmath_t>(va[u].val[k]), static_cast<opmath_t>(vb[u].val[k])));
+          r.val[k] =
+              static_cast<scalar_t>(op(static_cast<opmath_t>(va[u].val[k]), static_cast<opmath_t>(vb[u].val[k])));
         store_vec<scalar_t, N>(out, i, r);
       }
     }

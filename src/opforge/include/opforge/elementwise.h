@@ -36,9 +36,9 @@ inline at::TensorIterator make_binary_float_iter(const char* op, const at::Tenso
   for (int64_t i = 0; i < ndim; ++i) {
     const int64_t sa = i < a.dim() ? a_sizes[a.dim() - 1 - i] : 1;
     const int64_t sb = i < b.dim() ? b_sizes[b.dim() - 1 - i] : 1;
-    TORCH_CHECK_VALUE(sa == sb || sa == 1 || sb == 1, op, ": ", a_name, " with shape ", shape(a_sizes), " and ",
-                      b_name, " with shape ", shape(b_sizes), " are not broadcastable (dimension ", num(ndim - 1 - i),
-                      ": ", num(sa), " vs ", num(sb), ")");
+    TORCH_CHECK_VALUE(sa == sb || sa == 1 || sb == 1, op, ": ", a_name, " with shape ", shape(a_sizes), " and ", b_name,
+                      " with shape ", shape(b_sizes), " are not broadcastable (dimension ", num(ndim - 1 - i), ": ",
+                      num(sa), " vs ", num(sb), ")");
   }
   // Owned operands: the promoted copies die with this function, and the
   // output is allocated by the iterator (torch's memory-format rules).

@@ -135,8 +135,7 @@ void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& resul
       // grad x as a forward convolution of the masked grad_out.
       const at::Tensor wflip = w.flip({2, 3}).contiguous();
       OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_bwd_input", [&] {
-        done = try_backward_input_as_forward<scalar_t>(gm.const_data_ptr<scalar_t>(),
-                                                       wflip.const_data_ptr<scalar_t>(),
+        done = try_backward_input_as_forward<scalar_t>(gm.const_data_ptr<scalar_t>(), wflip.const_data_ptr<scalar_t>(),
                                                        grad_x.mutable_data_ptr<scalar_t>(), g, nhwc,
                                                        at::cuda::getCurrentCUDAStream());
       });

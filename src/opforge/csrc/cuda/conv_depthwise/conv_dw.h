@@ -78,9 +78,7 @@ struct NchwS1Plan {
 
 bool plan_nchw_s1(const Geometry& g, int s, const void* xp, const void* op, bool per_channel, NchwS1Plan& plan);
 
-inline size_t nchw_s1_stage_bytes(const DwS1Args& a, int s) {
-  return static_cast<size_t>(a.P) * s * a.SR * a.PB;
-}
+inline size_t nchw_s1_stage_bytes(const DwS1Args& a, int s) { return static_cast<size_t>(a.P) * s * a.SR * a.PB; }
 
 // Tiling of the stride-1 NHWC kernels: multiplier 1, C % 4 == 0, x aligned
 // for at least 4-byte copies and out for 4-channel accesses.
@@ -106,11 +104,11 @@ bool staged_s1_applies(const Geometry& g, bool nhwc, at::ScalarType dtype);
 // conv_dw_forward_nchw.cu / conv_dw_forward_nhwc.cu: the general forward
 // kernel for V and S, as planned by plan_forward_*.
 template <typename scalar_t>
-void launch_forward_nchw(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* out, const DwArgs& a,
-                         int V, int S, int64_t blocks, size_t smem, cudaStream_t stream);
+void launch_forward_nchw(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* out, const DwArgs& a, int V,
+                         int S, int64_t blocks, size_t smem, cudaStream_t stream);
 template <typename scalar_t>
-void launch_forward_nhwc(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* out, const DwArgs& a,
-                         int V, int S, int64_t blocks, size_t smem, cudaStream_t stream);
+void launch_forward_nhwc(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* out, const DwArgs& a, int V,
+                         int S, int64_t blocks, size_t smem, cudaStream_t stream);
 
 // The staged stride-1 forward, when plan_nchw_s1 / plan_nhwc_s1 accept the
 // shape (never float64); false otherwise, with nothing launched.

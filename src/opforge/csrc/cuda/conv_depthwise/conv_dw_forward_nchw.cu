@@ -9,8 +9,8 @@
 namespace opforge::conv {
 
 template <typename scalar_t>
-void launch_forward_nchw(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* out, const DwArgs& a,
-                         int V, int S, int64_t blocks, size_t smem, cudaStream_t stream) {
+void launch_forward_nchw(const scalar_t* x, const scalar_t* w, const scalar_t* b, scalar_t* out, const DwArgs& a, int V,
+                         int S, int64_t blocks, size_t smem, cudaStream_t stream) {
   with_forward_vec<scalar_t>(V, [&](auto v) {
     constexpr int kV = decltype(v)::value;
     auto kernel = S == 1 ? dw_fwd_nchw<scalar_t, kV, 1> : dw_fwd_nchw<scalar_t, kV, 2>;
@@ -42,9 +42,9 @@ bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
   }
 }
 
-#define OPFORGE_DW_FORWARD_NCHW(T)                                                                                  \
+#define OPFORGE_DW_FORWARD_NCHW(T)                                                                                 \
   template void launch_forward_nchw<T>(const T*, const T*, const T*, T*, const DwArgs&, int, int, int64_t, size_t, \
-                                       cudaStream_t);                                                               \
+                                       cudaStream_t);                                                              \
   template bool try_forward_nchw_s1<T>(const T*, const T*, const T*, T*, const Geometry&, bool, cudaStream_t);
 OPFORGE_DW_INSTANTIATE(OPFORGE_DW_FORWARD_NCHW)
 #undef OPFORGE_DW_FORWARD_NCHW

@@ -12,9 +12,9 @@ namespace {
 // (kThreads, 1): with no minimum, ptxas held the float64 instantiations to 48
 // registers and spilled.
 template <typename scalar_t, int V, int S>
-__global__ void __launch_bounds__(kThreads, 1) dw_fwd_nchw(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
-                                                        const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
-                                                        DwArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    dw_fwd_nchw(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, const scalar_t* __restrict__ b,
+                scalar_t* __restrict__ out, DwArgs a) {
   using opmath_t = at::opmath_type<scalar_t>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   opmath_t* tile = reinterpret_cast<opmath_t*>(smem_raw);
@@ -206,10 +206,9 @@ __device__ __forceinline__ void dw_s1_compute(const scalar_t* tile, const scalar
 }
 
 template <typename scalar_t, int V, int PAD>
-__global__ void __launch_bounds__(kThreads) dw_fwd_nchw_s1(const scalar_t* __restrict__ x,
-                                                           const scalar_t* __restrict__ w,
-                                                           const scalar_t* __restrict__ b,
-                                                           scalar_t* __restrict__ out, DwS1Args a) {
+__global__ void __launch_bounds__(kThreads)
+    dw_fwd_nchw_s1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, const scalar_t* __restrict__ b,
+                   scalar_t* __restrict__ out, DwS1Args a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   scalar_t* stage = reinterpret_cast<scalar_t*>(smem_raw);
   const DwS1Tile tile = dw_s1_tile(a, blockIdx.x);

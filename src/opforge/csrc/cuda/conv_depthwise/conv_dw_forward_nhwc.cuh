@@ -16,17 +16,17 @@ struct NhwcTile {
 };
 
 template <typename scalar_t, int V, int S>
-__global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w,
-                                                        const scalar_t* __restrict__ b, scalar_t* __restrict__ out,
-                                                        DwArgs a) {
+__global__ void __launch_bounds__(kThreads)
+    dw_fwd_nhwc(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, const scalar_t* __restrict__ b,
+                scalar_t* __restrict__ out, DwArgs a) {
   using opmath_t = at::opmath_type<scalar_t>;
   using T = NhwcTile<S>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int cb = a.cb;                 // staged input channels (multiple of V)
-  const int kb = cb * a.mult;          // output channels of the chunk
-  opmath_t* tile = reinterpret_cast<opmath_t*>(smem_raw);       // [IH][IW][cb]
-  opmath_t* ws = tile + T::IH * T::IW * cb;                       // [9][kb]
-  opmath_t* bs = ws + 9 * kb;                                     // [kb]
+  const int cb = a.cb;                                     // staged input channels (multiple of V)
+  const int kb = cb * a.mult;                              // output channels of the chunk
+  opmath_t* tile = reinterpret_cast<opmath_t*>(smem_raw);  // [IH][IW][cb]
+  opmath_t* ws = tile + T::IH * T::IW * cb;                // [9][kb]
+  opmath_t* bs = ws + 9 * kb;                              // [kb]
 
   unsigned bid = blockIdx.x;  // 32-bit decode, as in the NCHW kernel
   const int chunk = static_cast<int>(bid % static_cast<unsigned>(a.chunks));
@@ -60,7 +60,8 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restri
     opmath_t* dst = tile + pix * cb + v * V;
     opmath_t o[V];
     if (ih >= 0 && ih < H && iw >= 0 && iw < W) {
-      const auto val = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(x + ((n * H + ih) * W + iw) * C + cin0 + v * V);
+      const auto val =
+          *reinterpret_cast<const AlignedVec<scalar_t, V>*>(x + ((n * H + ih) * W + iw) * C + cin0 + v * V);
 #pragma unroll
       for (int e = 0; e < V; ++e) o[e] = static_cast<opmath_t>(val.val[e]);
     } else {
@@ -116,10 +117,9 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc(const scalar_t* __restri
 // (Arguments: DwS1NhwcArgs, conv_dw.h.)
 
 template <typename scalar_t, int PAD, int LB>
-__global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __restrict__ x,
-                                                           const scalar_t* __restrict__ w,
-                                                           const scalar_t* __restrict__ b,
-                                                           scalar_t* __restrict__ out, DwS1NhwcArgs a) {
+__global__ void __launch_bounds__(kThreads)
+    dw_fwd_nhwc_s1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, const scalar_t* __restrict__ b,
+                   scalar_t* __restrict__ out, DwS1NhwcArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const scalar_t* tile = reinterpret_cast<const scalar_t*>(smem_raw);
   const DwS1NhwcTile tt = dw_s1_nhwc_tile(a, blockIdx.x);
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) dw_fwd_nhwc_s1(const scalar_t* __res
       for (int kw = 0; kw < 3; ++kw) acc[e] = fmaf(wr[kh * 3 + kw][e], xr[kw][e], acc[e]);
   };
   copy_async_wait_all();  // this thread's copies have landed
-  __syncthreads();         // and every thread's
+  __syncthreads();        // and every thread's
   if (!active) return;
   float xr[3][V], accP[V], accQ[V];
   load_row(s, xr);

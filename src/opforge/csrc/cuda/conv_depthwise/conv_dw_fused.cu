@@ -41,15 +41,17 @@ bool try_backward_fused_nhwc(const scalar_t* gp, const scalar_t* rp, const scala
     };
     with_nhwc_s1_consts(1, a.LB, [&](auto, auto lb) {
       constexpr int LB = decltype(lb)::value;
-      if (rp != nullptr) launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, true>);
-      else launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, false>);
+      if (rp != nullptr)
+        launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, true>);
+      else
+        launch(dw_bwd_fused_nhwc_s1<scalar_t, LB, false>);
     });
     finish_weight_sums<scalar_t>(part.const_data_ptr<float>(), gwp, gbp, g.C, splits, stream);
     return true;
   }
 }
 
-#define OPFORGE_DW_FUSED(T)                                                                                    \
+#define OPFORGE_DW_FUSED(T)                                                                                     \
   template bool try_backward_fused_nhwc<T>(const T*, const T*, const T*, const T*, T*, T*, T*, const Geometry&, \
                                            const at::TensorOptions&, cudaStream_t);
 OPFORGE_DW_INSTANTIATE(OPFORGE_DW_FUSED)

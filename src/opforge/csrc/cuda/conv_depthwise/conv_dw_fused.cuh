@@ -25,12 +25,10 @@ namespace {
 constexpr int kFusedThreads = 128;
 
 template <typename scalar_t, int LB, bool MASK>
-__global__ void __launch_bounds__(kFusedThreads, 3) dw_bwd_fused_nhwc_s1(const scalar_t* __restrict__ g,
-                                                                 const scalar_t* __restrict__ res,
-                                                                 const scalar_t* __restrict__ x,
-                                                                 const scalar_t* __restrict__ w,
-                                                                 scalar_t* __restrict__ gx, float* __restrict__ part,
-                                                                 DwS1NhwcArgs a, int splits) {
+__global__ void __launch_bounds__(kFusedThreads, 3)
+    dw_bwd_fused_nhwc_s1(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                         const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, scalar_t* __restrict__ gx,
+                         float* __restrict__ part, DwS1NhwcArgs a, int splits) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int ts = (a.BH + 2) * (a.TW + 2) * a.CB;  // elements per staged tile
   scalar_t* xt = reinterpret_cast<scalar_t*>(smem_raw);
@@ -48,7 +46,8 @@ __global__ void __launch_bounds__(kFusedThreads, 3) dw_bwd_fused_nhwc_s1(const s
 #pragma unroll
   for (int e = 0; e < V; ++e)
 #pragma unroll
-    for (int t = 0; t < 9; ++t) wf[t][e] = active ? static_cast<float>(w[static_cast<int64_t>(c0 + e) * 9 + 8 - t]) : 0.f;
+    for (int t = 0; t < 9; ++t)
+      wf[t][e] = active ? static_cast<float>(w[static_cast<int64_t>(c0 + e) * 9 + 8 - t]) : 0.f;
   float acc[10][V];
 #pragma unroll
   for (int t = 0; t < 10; ++t)
@@ -67,9 +66,9 @@ __global__ void __launch_bounds__(kFusedThreads, 3) dw_bwd_fused_nhwc_s1(const s
     if (q < tt.bw) {
       const int off0 = q * a.CB + cv * V;  // staged row 0, column q
       scalar_t* o = gx + ((tt.n * a.H + tt.oh0) * a.W + tt.ow0 + q) * static_cast<int64_t>(a.C) + c0;
-      float accP[V], accQ[V];      // grad x rows ri - 2 and ri - 1 in progress
-      float xp[3][V];              // the input row one step behind
-      float gc1[V], gc2[V];        // grad_out centres of staged rows ri - 1, ri - 2 (0 off the tile)
+      float accP[V], accQ[V];  // grad x rows ri - 2 and ri - 1 in progress
+      float xp[3][V];          // the input row one step behind
+      float gc1[V], gc2[V];    // grad_out centres of staged rows ri - 1, ri - 2 (0 off the tile)
 #pragma unroll
       for (int e = 0; e < V; ++e) accP[e] = accQ[e] = gc1[e] = gc2[e] = 0.f;
 #pragma unroll

@@ -26,12 +26,13 @@ void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor&
       if (nhwc) {
         const int64_t rows = g.N * g.H, col_blocks = (g.C + 31) / 32;
         const int64_t rows_per_split = rows_per_split_for(rows, col_blocks);
-        const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + rows_per_split - 1) / rows_per_split));
+        const dim3 grid(static_cast<unsigned>(col_blocks),
+                        static_cast<unsigned>((rows + rows_per_split - 1) / rows_per_split));
         dw_bwd_input_s1_nhwc<scalar_t><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, wp, gxp, a, rows_per_split);
       } else {
         const int64_t warps = g.N * g.C * g.H;
-        const int64_t blocks = std::min<int64_t>((warps + kThreads / 32 - 1) / (kThreads / 32),
-                                                 16LL * opforge::cuda::sm_count());
+        const int64_t blocks =
+            std::min<int64_t>((warps + kThreads / 32 - 1) / (kThreads / 32), 16LL * opforge::cuda::sm_count());
         dw_bwd_input_s1_nchw<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(gp, rp, wp, gxp, a);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -43,11 +44,15 @@ void depthwise_backward_input_cuda(const at::Tensor& grad_out, const at::Tensor&
     const int64_t largest = std::max(total, grad_out.numel()) + blocks * kThreads;
     if (largest <= INT32_MAX && g.K * 9 <= INT32_MAX) {
       const auto t32 = static_cast<int32_t>(total);
-      if (nhwc) dw_bwd_input<scalar_t, true, int32_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, t32);
-      else dw_bwd_input<scalar_t, false, int32_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, t32);
+      if (nhwc)
+        dw_bwd_input<scalar_t, true, int32_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, t32);
+      else
+        dw_bwd_input<scalar_t, false, int32_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, t32);
     } else {
-      if (nhwc) dw_bwd_input<scalar_t, true, int64_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, total);
-      else dw_bwd_input<scalar_t, false, int64_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, total);
+      if (nhwc)
+        dw_bwd_input<scalar_t, true, int64_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, total);
+      else
+        dw_bwd_input<scalar_t, false, int64_t><<<blocks, kThreads, 0, stream>>>(gp, rp, wp, gxp, a, S, total);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -18,9 +18,9 @@ namespace {
 // whose saved registers spill), else int64_t. At most 64 registers (four
 // blocks per SM): ptxas's own choice of 32-48 spilled.
 template <typename scalar_t, bool kNhwc, typename IT>
-__global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
-                                                         const scalar_t* __restrict__ w, scalar_t* __restrict__ gx,
-                                                         DwArgs a, int S, IT total) {
+__global__ void __launch_bounds__(kThreads, 4)
+    dw_bwd_input(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res, const scalar_t* __restrict__ w,
+                 scalar_t* __restrict__ gx, DwArgs a, int S, IT total) {
   using opmath_t = at::opmath_type<scalar_t>;
   const IT C = static_cast<IT>(a.C), H = static_cast<IT>(a.H), W = static_cast<IT>(a.W);
   const IT K = static_cast<IT>(a.K), Ho = static_cast<IT>(a.Ho), Wo = static_cast<IT>(a.Wo);
@@ -29,13 +29,19 @@ __global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __re
   for (IT idx = static_cast<IT>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += step) {
     IT n, c, ih, iw, rem = idx;
     if (kNhwc) {
-      c = rem % C; rem /= C;
-      iw = rem % W; rem /= W;
-      ih = rem % H; n = rem / H;
+      c = rem % C;
+      rem /= C;
+      iw = rem % W;
+      rem /= W;
+      ih = rem % H;
+      n = rem / H;
     } else {
-      iw = rem % W; rem /= W;
-      ih = rem % H; rem /= H;
-      c = rem % C; n = rem / C;
+      iw = rem % W;
+      rem /= W;
+      ih = rem % H;
+      rem /= H;
+      c = rem % C;
+      n = rem / C;
     }
     opmath_t acc = opmath_t(0);
     for (int kh = 0; kh < 3; ++kh) {
@@ -68,10 +74,9 @@ __global__ void __launch_bounds__(kThreads, 4) dw_bwd_input(const scalar_t* __re
 // NCHW: warps take the N * C * H rows of grad x in turn, lanes along iw
 // (coalesced); the 9 taps read grad_out and result through L1.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) dw_bwd_input_s1_nchw(const scalar_t* __restrict__ g,
-                                                                 const scalar_t* __restrict__ res,
-                                                                 const scalar_t* __restrict__ w,
-                                                                 scalar_t* __restrict__ gx, DwArgs a) {
+__global__ void __launch_bounds__(kThreads)
+    dw_bwd_input_s1_nchw(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                         const scalar_t* __restrict__ w, scalar_t* __restrict__ gx, DwArgs a) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -105,11 +110,9 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_input_s1_nchw(const scalar_t*
 // y, y + 8, ... of the split and walks each along iw with the 3 x 3 window
 // of g' in registers (one new column of three output rows per step).
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads, 2) dw_bwd_input_s1_nhwc(const scalar_t* __restrict__ g,
-                                                                    const scalar_t* __restrict__ res,
-                                                                    const scalar_t* __restrict__ w,
-                                                                    scalar_t* __restrict__ gx, DwArgs a,
-                                                                    int64_t rows_per_split) {
+__global__ void __launch_bounds__(kThreads, 2)
+    dw_bwd_input_s1_nhwc(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
+                         const scalar_t* __restrict__ w, scalar_t* __restrict__ gx, DwArgs a, int64_t rows_per_split) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   if (c >= a.C) return;  // no block barrier below

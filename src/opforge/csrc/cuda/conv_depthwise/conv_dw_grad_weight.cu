@@ -35,9 +35,8 @@ namespace {
 // gw / gb. NCHW masks grad_out by result (rp) as it reads it; NHWC stages
 // grad_out, already masked (rp null). False where they do not apply.
 template <typename scalar_t>
-bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar_t* xp, scalar_t* gwp,
-                            scalar_t* gbp, const Geometry& g, bool nhwc, const at::TensorOptions& opts,
-                            cudaStream_t stream) {
+bool try_backward_weight_s1(const scalar_t* gp, const scalar_t* rp, const scalar_t* xp, scalar_t* gwp, scalar_t* gbp,
+                            const Geometry& g, bool nhwc, const at::TensorOptions& opts, cudaStream_t stream) {
   constexpr int s = static_cast<int>(sizeof(scalar_t));
   if constexpr (s == 8) {
     return false;
@@ -108,8 +107,10 @@ void depthwise_backward_weight_cuda(const at::Tensor& grad_out, const at::Tensor
     auto* pp = part.mutable_data_ptr<opmath_t>();
     if (nhwc) {
       const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(splits));
-      if (S == 1) dw_bwd_weight_nhwc<scalar_t, 1><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, splits, rows_per_split);
-      else dw_bwd_weight_nhwc<scalar_t, 2><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, splits, rows_per_split);
+      if (S == 1)
+        dw_bwd_weight_nhwc<scalar_t, 1><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, splits, rows_per_split);
+      else
+        dw_bwd_weight_nhwc<scalar_t, 2><<<grid, dim3(32, 8), 0, stream>>>(gp, rp, xp, pp, a, splits, rows_per_split);
     } else {
       TORCH_CHECK(g.K <= INT32_MAX, "opforge._conv2d_3x3_backward: too many channels");
       const dim3 grid(static_cast<unsigned>(g.K), static_cast<unsigned>(splits));

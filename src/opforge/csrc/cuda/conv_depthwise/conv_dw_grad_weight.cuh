@@ -19,10 +19,10 @@ namespace {
 // NCHW: block (k, split); warp w takes rows w, w + 8, ... of the split, its
 // lanes along ow (coalesced loads of grad_out, result and x).
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
-                                                               const scalar_t* __restrict__ x,
-                                                               at::opmath_type<scalar_t>* __restrict__ part, DwArgs a,
-                                                               int S, int splits, int64_t rows_per_split) {
+__global__ void __launch_bounds__(kThreads)
+    dw_bwd_weight_nchw(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res, const scalar_t* __restrict__ x,
+                       at::opmath_type<scalar_t>* __restrict__ part, DwArgs a, int S, int splits,
+                       int64_t rows_per_split) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t k = blockIdx.x;
   const int split = blockIdx.y;
@@ -61,10 +61,9 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw(const scalar_t* _
 // registers: S new columns (3 * S loads) per output instead of 9.
 // (kThreads, 2): ptxas's own choice of 64 registers spilled the S = 2 window.
 template <typename scalar_t, int S>
-__global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res,
-                                                               const scalar_t* __restrict__ x,
-                                                               at::opmath_type<scalar_t>* __restrict__ part, DwArgs a,
-                                                               int splits, int64_t rows_per_split) {
+__global__ void __launch_bounds__(kThreads, 2)
+    dw_bwd_weight_nhwc(const scalar_t* __restrict__ g, const scalar_t* __restrict__ res, const scalar_t* __restrict__ x,
+                       at::opmath_type<scalar_t>* __restrict__ part, DwArgs a, int splits, int64_t rows_per_split) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t k = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const int split = blockIdx.y;
@@ -180,11 +179,10 @@ __device__ __forceinline__ void add_row_taps(const float (&gq)[V], const float (
 
 // NCHW: block (channel c, split); tiles are (PB planes of channel c, band).
 template <typename scalar_t, int V, int PAD>
-__global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw_s1(const scalar_t* __restrict__ x,
-                                                                  const scalar_t* __restrict__ g,
-                                                                  const scalar_t* __restrict__ res,
-                                                                  float* __restrict__ part, DwS1Args a, int splits,
-                                                                  bool vec_g) {
+__global__ void __launch_bounds__(kThreads)
+    dw_bwd_weight_nchw_s1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g,
+                          const scalar_t* __restrict__ res, float* __restrict__ part, DwS1Args a, int splits,
+                          bool vec_g) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   scalar_t* stage = reinterpret_cast<scalar_t*>(smem_raw);
   constexpr int E = 16 / static_cast<int>(sizeof(scalar_t));
@@ -213,8 +211,8 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw_s1(const scalar_t
       const int ow = item.g * V;
       const int valid = min(V, a.Wo - ow);
       const scalar_t* sp = stage + (p * a.SR + r0) * a.P + E + ow;
-      const int64_t goff = ((n0 + p) * a.C + c) * static_cast<int64_t>(a.Ho) * a.Wo +
-                           static_cast<int64_t>(tt.oh0 + r0) * a.Wo + ow;
+      const int64_t goff =
+          ((n0 + p) * a.C + c) * static_cast<int64_t>(a.Ho) * a.Wo + static_cast<int64_t>(tt.oh0 + r0) * a.Wo + ow;
       // Staged row ri meets output rows ri - kh (kh = 0, 1, 2): gq[kh].
       float gq[3][V], xr[V + 2];
 #pragma unroll
@@ -248,10 +246,9 @@ __global__ void __launch_bounds__(kThreads) dw_bwd_weight_nchw_s1(const scalar_t
 // (kThreads, 2): ptxas's own choice of 80 registers spilled the float32
 // instantiations.
 template <typename scalar_t, int PAD, int LB>
-__global__ void __launch_bounds__(kThreads, 2) dw_bwd_weight_nhwc_s1(const scalar_t* __restrict__ x,
-                                                                  const scalar_t* __restrict__ g,
-                                                                  float* __restrict__ part, DwS1NhwcArgs a,
-                                                                  int splits) {
+__global__ void __launch_bounds__(kThreads, 2)
+    dw_bwd_weight_nhwc_s1(const scalar_t* __restrict__ x, const scalar_t* __restrict__ g, float* __restrict__ part,
+                          DwS1NhwcArgs a, int splits) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   scalar_t* tile = reinterpret_cast<scalar_t*>(smem_raw);
   scalar_t* gtile = tile + (a.BH + 2) * (a.TW + 2) * a.CB;

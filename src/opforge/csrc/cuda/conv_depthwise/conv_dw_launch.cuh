@@ -45,25 +45,36 @@ template <typename scalar_t, typename F>
 void with_nchw_s1_consts(int V, int64_t pad, F&& f) {
   constexpr int E = 16 / static_cast<int>(sizeof(scalar_t));
   auto with_pad = [&](auto v) {
-    if (pad == 2) f(v, std::integral_constant<int, 2>{});
-    else if (pad == 1) f(v, std::integral_constant<int, 1>{});
-    else f(v, std::integral_constant<int, 0>{});
+    if (pad == 2)
+      f(v, std::integral_constant<int, 2>{});
+    else if (pad == 1)
+      f(v, std::integral_constant<int, 1>{});
+    else
+      f(v, std::integral_constant<int, 0>{});
   };
-  if (V == E) with_pad(std::integral_constant<int, E>{});
-  else with_pad(std::integral_constant<int, E / 2>{});
+  if (V == E)
+    with_pad(std::integral_constant<int, E>{});
+  else
+    with_pad(std::integral_constant<int, E / 2>{});
 }
 
 // Calls f(std::integral_constant<int, PAD>, std::integral_constant<int, LB>).
 template <typename F>
 void with_nhwc_s1_consts(int64_t pad, int LB, F&& f) {
   auto with_lb = [&](auto pd) {
-    if (LB == 16) f(pd, std::integral_constant<int, 16>{});
-    else if (LB == 8) f(pd, std::integral_constant<int, 8>{});
-    else f(pd, std::integral_constant<int, 4>{});
+    if (LB == 16)
+      f(pd, std::integral_constant<int, 16>{});
+    else if (LB == 8)
+      f(pd, std::integral_constant<int, 8>{});
+    else
+      f(pd, std::integral_constant<int, 4>{});
   };
-  if (pad == 2) with_lb(std::integral_constant<int, 2>{});
-  else if (pad == 1) with_lb(std::integral_constant<int, 1>{});
-  else with_lb(std::integral_constant<int, 0>{});
+  if (pad == 2)
+    with_lb(std::integral_constant<int, 2>{});
+  else if (pad == 1)
+    with_lb(std::integral_constant<int, 1>{});
+  else
+    with_lb(std::integral_constant<int, 0>{});
 }
 
 // Splits of the staged weight-gradient kernels: as many blocks as fit on

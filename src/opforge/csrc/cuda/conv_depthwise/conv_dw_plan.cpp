@@ -21,7 +21,13 @@ int round_up(int v, int m) { return (v + m - 1) / m * m; }
 
 DwArgs base_args(const Geometry& g) {
   DwArgs a{};
-  a.N = g.N; a.C = g.C; a.H = g.H; a.W = g.W; a.K = g.K; a.Ho = g.Ho; a.Wo = g.Wo;
+  a.N = g.N;
+  a.C = g.C;
+  a.H = g.H;
+  a.W = g.W;
+  a.K = g.K;
+  a.Ho = g.Ho;
+  a.Wo = g.Wo;
   a.pad = static_cast<int>(g.pad);
   a.mult = static_cast<int>(g.mult);
   return a;
@@ -112,7 +118,8 @@ bool plan_nchw_s1(const Geometry& g, int s, const void* xp, const void* op, bool
     const int64_t by_threads = std::max(1, kThreads / per_plane);
     const int64_t by_smem = static_cast<int64_t>(kStageBudget / (row_bytes * a.SR));
     const int64_t by_blocks = std::max<int64_t>(1, a.planes / (4LL * opforge::cuda::sm_count()));
-    a.PB = static_cast<int>(std::max<int64_t>(1, std::min({by_threads, by_smem, by_blocks, per_channel ? g.N : a.planes})));
+    a.PB = static_cast<int>(
+        std::max<int64_t>(1, std::min({by_threads, by_smem, by_blocks, per_channel ? g.N : a.planes})));
   }
   const int vec_per_row = W / (a.LB / s);
   // Lanes per staged row: enough for its copies (with 16-byte copies, for

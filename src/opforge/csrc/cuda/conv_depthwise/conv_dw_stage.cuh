@@ -129,7 +129,6 @@ __device__ __forceinline__ DwS1Item dw_s1_item(const DwS1Args& a, const DwS1Tile
   return r;
 }
 
-
 struct DwS1NhwcTile {
   int64_t n;
   int cin0, cba, oh0, ow0, bh, bw;
@@ -164,10 +163,10 @@ __device__ __forceinline__ void dw_s1_nhwc_stage(const scalar_t* __restrict__ x,
   static_assert(HALO == 2 || (HALO == 0 && PAD == 0), "stage: the input window, or the output tile");
   constexpr int L = LB / static_cast<int>(sizeof(scalar_t));
   const int H = HALO == 2 ? a.H : a.Ho, W = HALO == 2 ? a.W : a.Wo;
-  const int pitch = a.TW + HALO;     // staged pixels per tile row
-  const int sw = tt.bw + HALO;       // staged columns
-  const int rows = tt.bh + HALO;     // staged rows
-  const int cpp = tt.cba / L;        // copies per pixel
+  const int pitch = a.TW + HALO;  // staged pixels per tile row
+  const int sw = tt.bw + HALO;    // staged columns
+  const int rows = tt.bh + HALO;  // staged rows
+  const int cpp = tt.cba / L;     // copies per pixel
   // Thread i copies part i % cpp of staged pixels i / cpp, + step, ...: the
   // pixel's row and column, and both offsets, advance by additions only (the
   // stage is a large part of this kernel's instructions: a division or a

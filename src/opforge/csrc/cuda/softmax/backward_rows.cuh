@@ -108,8 +108,8 @@ __device__ __forceinline__ void backward_grad_packed(uint32_t (&g)[N], const uin
 // the row's partials, phase 3 the cluster's blocks. Every thread of the
 // block must call it.
 template <typename A>
-__device__ __forceinline__ bool backward_row_sum(A& sum, const Segment& s, int G, int phase, int64_t row0,
-                                                 A* partials, int nchunks, A* smem) {
+__device__ __forceinline__ bool backward_row_sum(A& sum, const Segment& s, int G, int phase, int64_t row0, A* partials,
+                                                 int nchunks, A* smem) {
   if (phase == 1) {
     if (s.lane == 0 && s.valid) partials[(s.row - row0) * nchunks + blockIdx.x] = sum;
     return false;
@@ -126,9 +126,9 @@ __device__ __forceinline__ bool backward_row_sum(A& sum, const Segment& s, int G
 }
 
 template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>())) bwd_rows_kernel(sm::BwdArgs a, int G, int phase, int64_t row0,
-                                                             int64_t rows, int64_t chunk, Acc<T>* partials,
-                                                             int nchunks) {
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 2, MODE>()))
+    bwd_rows_kernel(sm::BwdArgs a, int G, int phase, int64_t row0, int64_t rows, int64_t chunk, Acc<T>* partials,
+                    int nchunks) {
   using A = Acc<T>;
   __shared__ A smem[32];
   const int64_t K = a.K;

@@ -74,20 +74,30 @@ struct Budget {
   // holds at most 32 registers of values.
   static constexpr int kHeavy = MODE == sm::Mode::ScaledMasked ? 32 : 64;
   template <int V>
-  static constexpr bool packed() { return kPacked<T, V, ARRAYS, MODE>; }
+  static constexpr bool packed() {
+    return kPacked<T, V, ARRAYS, MODE>;
+  }
   // Registers a vector of V values takes: two values per register when
   // packed, else words_per_elem each.
   template <int V>
-  static constexpr int words_per_vec() { return packed<V>() ? ARRAYS * V / 2 : V * words_per_elem<T>(ARRAYS); }
+  static constexpr int words_per_vec() {
+    return packed<V>() ? ARRAYS * V / 2 : V * words_per_elem<T>(ARRAYS);
+  }
   // The most vectors per thread the kernels take.
   template <int V>
-  static constexpr int itmax() { return iters_within(words_per_vec<V>(), kHeavy); }
+  static constexpr int itmax() {
+    return iters_within(words_per_vec<V>(), kHeavy);
+  }
   // Vectors per thread in 64 and 32 registers of widened values, the units
   // the default plans are written in.
   template <int V>
-  static constexpr int itplan() { return iters_within(V * words_per_elem<T>(ARRAYS), kHeavy); }
+  static constexpr int itplan() {
+    return iters_within(V * words_per_elem<T>(ARRAYS), kHeavy);
+  }
   template <int V>
-  static constexpr int itlight() { return iters_within(V * words_per_elem<T>(ARRAYS), 32); }
+  static constexpr int itlight() {
+    return iters_within(V * words_per_elem<T>(ARRAYS), 32);
+  }
 };
 
 }  // namespace opforge::softmax::gpu

@@ -47,8 +47,8 @@ __device__ __forceinline__ void write_partial(A m, A sum, const Segment& s, int6
 // (-inf past its end); the values become exp(x - max) (log_softmax keeps
 // them). Every thread of the block must call it.
 template <typename T, int V, int IT, sm::Mode MODE>
-__device__ __forceinline__ void forward_stats(Acc<T> (&vals)[IT][V], const Segment& s, int G, Acc<T>* smem,
-                                              Acc<T>& m, Acc<T>& sum) {
+__device__ __forceinline__ void forward_stats(Acc<T> (&vals)[IT][V], const Segment& s, int G, Acc<T>* smem, Acc<T>& m,
+                                              Acc<T>& sum) {
   using A = Acc<T>;
   m = neg_inf<A>();
 #pragma unroll
@@ -131,8 +131,8 @@ __device__ __forceinline__ void normalize(Acc<T> (&vals)[IT][V], Acc<T> m, Acc<T
 // partial and returns false: nothing to store. Every thread of the block
 // must call it.
 template <typename T, int V, int IT, sm::Mode MODE>
-__device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segment& s, int G, int phase,
-                                               int64_t row0, Acc<T>* partials, int nchunks, Acc<T>* smem) {
+__device__ __forceinline__ bool finish_forward(Acc<T> (&vals)[IT][V], const Segment& s, int G, int phase, int64_t row0,
+                                               Acc<T>* partials, int nchunks, Acc<T>* smem) {
   using A = Acc<T>;
   A m, sum;
   forward_stats<T, V, IT, MODE>(vals, s, G, smem, m, sum);
@@ -253,9 +253,9 @@ __device__ __forceinline__ bool finish_forward_packed(uint32_t (&w)[IT * V / 2],
 }
 
 template <typename T, int V, int IT, sm::Mode MODE>
-__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>())) fwd_rows_kernel(sm::FwdArgs a, int G, int phase, int64_t row0,
-                                                             int64_t rows, int64_t chunk, Acc<T>* partials,
-                                                             int nchunks) {
+__global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>()))
+    fwd_rows_kernel(sm::FwdArgs a, int G, int phase, int64_t row0, int64_t rows, int64_t chunk, Acc<T>* partials,
+                    int nchunks) {
   using A = Acc<T>;
   __shared__ A smem[32];
   const int64_t K = a.K;
@@ -314,7 +314,8 @@ __global__ void __launch_bounds__(kMaxGroup, (rows_min_blocks<T, V, IT, 1, MODE>
     }
   }
 
-  if (finish_forward<T, V, IT, MODE>(vals, s, G, phase, row0, partials, nchunks, smem)) store_row<T, V, IT>(y, s, G, vals);
+  if (finish_forward<T, V, IT, MODE>(vals, s, G, phase, row0, partials, nchunks, smem))
+    store_row<T, V, IT>(y, s, G, vals);
 }
 
 }  // namespace

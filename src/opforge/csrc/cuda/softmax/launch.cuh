@@ -24,11 +24,33 @@ namespace sm = opforge::softmax;
 template <int ITMAX, typename F>
 void with_iters(int it, F&& f) {
   switch (it) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: if constexpr (ITMAX >= 2) { f(std::integral_constant<int, 2>{}); break; } [[fallthrough]];
-    case 4: if constexpr (ITMAX >= 4) { f(std::integral_constant<int, 4>{}); break; } [[fallthrough]];
-    case 8: if constexpr (ITMAX >= 8) { f(std::integral_constant<int, 8>{}); break; } [[fallthrough]];
-    default: if constexpr (ITMAX >= 16) { f(std::integral_constant<int, 16>{}); } else { TORCH_INTERNAL_ASSERT(false); }
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      if constexpr (ITMAX >= 2) {
+        f(std::integral_constant<int, 2>{});
+        break;
+      }
+      [[fallthrough]];
+    case 4:
+      if constexpr (ITMAX >= 4) {
+        f(std::integral_constant<int, 4>{});
+        break;
+      }
+      [[fallthrough]];
+    case 8:
+      if constexpr (ITMAX >= 8) {
+        f(std::integral_constant<int, 8>{});
+        break;
+      }
+      [[fallthrough]];
+    default:
+      if constexpr (ITMAX >= 16) {
+        f(std::integral_constant<int, 16>{});
+      } else {
+        TORCH_INTERNAL_ASSERT(false);
+      }
   }
 }
 
@@ -36,9 +58,15 @@ void with_iters(int it, F&& f) {
 template <typename F>
 void with_mode(sm::Mode mode, F&& f) {
   switch (mode) {
-    case sm::Mode::Softmax: f(std::integral_constant<sm::Mode, sm::Mode::Softmax>{}); break;
-    case sm::Mode::LogSoftmax: f(std::integral_constant<sm::Mode, sm::Mode::LogSoftmax>{}); break;
-    case sm::Mode::ScaledMasked: f(std::integral_constant<sm::Mode, sm::Mode::ScaledMasked>{}); break;
+    case sm::Mode::Softmax:
+      f(std::integral_constant<sm::Mode, sm::Mode::Softmax>{});
+      break;
+    case sm::Mode::LogSoftmax:
+      f(std::integral_constant<sm::Mode, sm::Mode::LogSoftmax>{});
+      break;
+    case sm::Mode::ScaledMasked:
+      f(std::integral_constant<sm::Mode, sm::Mode::ScaledMasked>{});
+      break;
   }
 }
 
@@ -106,8 +134,8 @@ void run_plan(Plan p, Kernel kernel, const Args& args, int64_t rows, int64_t K, 
   }
   const int64_t l2 = std::max<int64_t>(at::cuda::getCurrentDeviceProperties()->l2CacheSize, 1 << 20);
   const int64_t row_bytes = K * bytes_per_elem;
-  const int64_t batch = std::max<int64_t>(
-      1, std::min<int64_t>({rows, int64_t{65535}, (l2 / 2) / std::max<int64_t>(row_bytes, 1)}));
+  const int64_t batch =
+      std::max<int64_t>(1, std::min<int64_t>({rows, int64_t{65535}, (l2 / 2) / std::max<int64_t>(row_bytes, 1)}));
   at::Tensor ws = at::empty({batch * p.nchunks * partial_width}, opts.dtype(c10::CppTypeToScalarType<A>::value));
   A* partials = ws.mutable_data_ptr<A>();
   for (int64_t r0 = 0; r0 < rows; r0 += batch) {
@@ -130,8 +158,7 @@ bool run_resident(const Plan& p, Kernel kernel, const Args& args, int64_t rows, 
   const int n = active_clusters(kernel, p.nchunks, p.block, smem);
   if (n <= 0) return false;
   const auto clusters = static_cast<unsigned>(std::min<int64_t>(rows, n));
-  launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), clusters, 1), p.block, smem, args, p.G, rows,
-                  p.chunk);
+  launch_clusters(kernel, dim3(static_cast<unsigned>(p.nchunks), clusters, 1), p.block, smem, args, p.G, rows, p.chunk);
   return true;
 }
 

@@ -52,4 +52,3 @@ void forward_rows_impl(const sm::FwdArgs& a, const at::Tensor& x, const PlanRequ
 
 }  // namespace
 }  // namespace opforge::softmax::gpu
-

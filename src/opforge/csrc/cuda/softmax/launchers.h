@@ -28,14 +28,14 @@ void forward_columns(Mode mode, const FwdArgs& a);
 template <typename T>
 void backward_columns(Mode mode, const BwdArgs& a);
 
-#define OPFORGE_SOFTMAX_LAUNCHERS(T)                                                            \
-  template <>                                                                                   \
-  void forward_rows<T>(Mode mode, const FwdArgs& a, const at::Tensor& x, const PlanRequest* req); \
-  template <>                                                                                   \
+#define OPFORGE_SOFTMAX_LAUNCHERS(T)                                                                 \
+  template <>                                                                                        \
+  void forward_rows<T>(Mode mode, const FwdArgs& a, const at::Tensor& x, const PlanRequest* req);    \
+  template <>                                                                                        \
   void backward_rows<T>(Mode mode, const BwdArgs& a, const at::Tensor& out, const PlanRequest* req); \
-  template <>                                                                                   \
-  void forward_columns<T>(Mode mode, const FwdArgs& a);                                         \
-  template <>                                                                                   \
+  template <>                                                                                        \
+  void forward_columns<T>(Mode mode, const FwdArgs& a);                                              \
+  template <>                                                                                        \
   void backward_columns<T>(Mode mode, const BwdArgs& a);
 OPFORGE_SOFTMAX_LAUNCHERS(float)
 OPFORGE_SOFTMAX_LAUNCHERS(double)

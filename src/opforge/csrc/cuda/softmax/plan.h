@@ -34,9 +34,9 @@ struct PlanRequest {
 };
 
 struct Plan {
-  int it;             // elements per thread = V * it
-  int G;              // threads per row (Rows) or per chunk (Cluster, Split)
-  int block;          // threads per block
+  int it;     // elements per thread = V * it
+  int G;      // threads per row (Rows) or per chunk (Cluster, Split)
+  int block;  // threads per block
   Kind kind = Kind::Rows;
   int64_t chunk = 0;  // elements per block (Cluster, Split)
   int nchunks = 1;

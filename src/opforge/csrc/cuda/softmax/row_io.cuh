@@ -82,8 +82,8 @@ __device__ __forceinline__ void to_opmath(const AlignedVec<T, V> (&raw)[IT], con
 // double load straight into the values: no conversion to wait for, and
 // fewer live registers than staging the raw vectors.
 template <typename T, int V, int IT>
-__device__ __forceinline__ void load_row(const T* __restrict__ p, const Segment& s, int G, int limit,
-                                         Acc<T> fill, Acc<T> (&vals)[IT][V]) {
+__device__ __forceinline__ void load_row(const T* __restrict__ p, const Segment& s, int G, int limit, Acc<T> fill,
+                                         Acc<T> (&vals)[IT][V]) {
   if constexpr (kWidened<T>) {
     AlignedVec<T, V> raw[IT];
     bool ok[IT];

@@ -44,21 +44,37 @@ void backward_columns_impl(sm::Mode mode, const sm::BwdArgs& a) {
 }  // namespace
 
 template <>
-void forward_columns<float>(Mode mode, const FwdArgs& a) { forward_columns_impl<float>(mode, a); }
+void forward_columns<float>(Mode mode, const FwdArgs& a) {
+  forward_columns_impl<float>(mode, a);
+}
 template <>
-void forward_columns<double>(Mode mode, const FwdArgs& a) { forward_columns_impl<double>(mode, a); }
+void forward_columns<double>(Mode mode, const FwdArgs& a) {
+  forward_columns_impl<double>(mode, a);
+}
 template <>
-void forward_columns<c10::Half>(Mode mode, const FwdArgs& a) { forward_columns_impl<c10::Half>(mode, a); }
+void forward_columns<c10::Half>(Mode mode, const FwdArgs& a) {
+  forward_columns_impl<c10::Half>(mode, a);
+}
 template <>
-void forward_columns<c10::BFloat16>(Mode mode, const FwdArgs& a) { forward_columns_impl<c10::BFloat16>(mode, a); }
+void forward_columns<c10::BFloat16>(Mode mode, const FwdArgs& a) {
+  forward_columns_impl<c10::BFloat16>(mode, a);
+}
 
 template <>
-void backward_columns<float>(Mode mode, const BwdArgs& a) { backward_columns_impl<float>(mode, a); }
+void backward_columns<float>(Mode mode, const BwdArgs& a) {
+  backward_columns_impl<float>(mode, a);
+}
 template <>
-void backward_columns<double>(Mode mode, const BwdArgs& a) { backward_columns_impl<double>(mode, a); }
+void backward_columns<double>(Mode mode, const BwdArgs& a) {
+  backward_columns_impl<double>(mode, a);
+}
 template <>
-void backward_columns<c10::Half>(Mode mode, const BwdArgs& a) { backward_columns_impl<c10::Half>(mode, a); }
+void backward_columns<c10::Half>(Mode mode, const BwdArgs& a) {
+  backward_columns_impl<c10::Half>(mode, a);
+}
 template <>
-void backward_columns<c10::BFloat16>(Mode mode, const BwdArgs& a) { backward_columns_impl<c10::BFloat16>(mode, a); }
+void backward_columns<c10::BFloat16>(Mode mode, const BwdArgs& a) {
+  backward_columns_impl<c10::BFloat16>(mode, a);
+}
 
 }  // namespace opforge::softmax::gpu

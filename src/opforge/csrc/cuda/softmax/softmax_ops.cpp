@@ -99,9 +99,10 @@ at::Tensor run_backward(sm::PreparedBwd p, const gpu::PlanRequest* req = nullptr
 
 // The `_plan` ops: softmax over the last dim with a given launch plan.
 gpu::PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, int64_t vectors_per_thread, bool cluster,
-                         bool persistent = false) {
+                              bool persistent = false) {
   auto small = [](int64_t v, const char* name) {
-    TORCH_CHECK_VALUE(v >= 1 && v <= 512, "opforge softmax plan: ", name, " must be in [1, 512], got ", opforge::num(v));
+    TORCH_CHECK_VALUE(v >= 1 && v <= 512, "opforge softmax plan: ", name, " must be in [1, 512], got ",
+                      opforge::num(v));
     return static_cast<int>(v);
   };
   return {small(threads_per_row, "threads_per_row"), small(rows_per_block, "rows_per_block"),
@@ -129,8 +130,7 @@ bool few_columns(const sm::FwdArgs& a) { return a.inner > 1 && a.K >= 16 && a.ou
 bool few_columns(const sm::BwdArgs& a) { return a.inner > 1 && a.K >= 16 && a.outer * a.inner < 32768; }
 
 template <sm::Mode MODE>
-at::Tensor softmax_family_cuda(const char* op, const at::Tensor& x, int64_t dim,
-                               std::optional<c10::ScalarType> dtype) {
+at::Tensor softmax_family_cuda(const char* op, const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
   sm::Prepared p = sm::prepare_softmax(op, MODE, x, dim, dtype);
   if (p.out.numel() > 0 && few_columns(p.args)) {
     const int64_t d = sm::wrap_dim(op, x, dim, "x");
@@ -143,14 +143,13 @@ at::Tensor softmax_family_cuda(const char* op, const at::Tensor& x, int64_t dim,
 }
 
 template <sm::Mode MODE>
-at::Tensor softmax_family_backward_cuda(const char* op, const at::Tensor& grad, const at::Tensor& output,
-                                        int64_t dim) {
+at::Tensor softmax_family_backward_cuda(const char* op, const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
   sm::PreparedBwd p = sm::prepare_backward(op, MODE, grad, output, dim, 1.0);
   if (p.grad_in.numel() > 0 && few_columns(p.args)) {
     const int64_t d = sm::wrap_dim(op, output, dim, "output");
     const c10::cuda::CUDAGuard guard(p.out.device());
-    at::Tensor rows = run_backward<MODE>(
-        sm::prepare_backward(op, MODE, p.grad.movedim(d, -1), p.out.movedim(d, -1), -1, 1.0));
+    at::Tensor rows =
+        run_backward<MODE>(sm::prepare_backward(op, MODE, p.grad.movedim(d, -1), p.out.movedim(d, -1), -1, 1.0));
     p.grad_in.copy_(rows.movedim(-1, d));
     return p.grad_in;
   }
@@ -180,8 +179,8 @@ at::Tensor log_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& o
 }
 
 at::Tensor scaled_masked_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, double scale) {
-  return run_backward<sm::Mode::ScaledMasked>(sm::prepare_backward(
-      "opforge._scaled_masked_softmax_backward", sm::Mode::ScaledMasked, grad, output, -1, scale));
+  return run_backward<sm::Mode::ScaledMasked>(
+      sm::prepare_backward("opforge._scaled_masked_softmax_backward", sm::Mode::ScaledMasked, grad, output, -1, scale));
 }
 
 }  // namespace

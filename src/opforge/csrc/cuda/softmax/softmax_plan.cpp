@@ -19,8 +19,9 @@ Plan plan_from(const PlanRequest& r, int64_t K, int V) {
   p.block = r.threads_per_row * r.rows_per_block;
   const int64_t capacity = int64_t{p.G} * V * p.it;
   if (K <= capacity && !r.resident) return p;
-  TORCH_CHECK_VALUE(r.rows_per_block == 1, "opforge softmax plan: a plan that splits rows or keeps clusters "
-                                           "resident needs one row per block");
+  TORCH_CHECK_VALUE(r.rows_per_block == 1,
+                    "opforge softmax plan: a plan that splits rows or keeps clusters "
+                    "resident needs one row per block");
   p.chunk = capacity;
   const int64_t n = ceil_div(K, capacity);  // grid.x: up to 2^31 - 1 chunks, no practical cap
   TORCH_CHECK(n < (int64_t{1} << 31), "opforge softmax: rows of ", opforge::num(K), " elements are too long");
@@ -84,8 +85,7 @@ PlanRequest default_shape(int64_t K, int V, int itmax, int itlight, int itcluste
     // twice as long. The timings behind each order: docs/ops/softmax.md.
     const int fwd_narrow[4][2] = {{256, it_long}, {kMaxGroup, it_long}, {256, 2 * it_long}, {kMaxGroup, 2 * it_long}};
     const int fwd_wide[4][2] = {{256, 2 * it_long}, {kMaxGroup, it_long}, {kMaxGroup, 2 * it_long}, {256, it_long}};
-    const int fwd_resident[4][2] = {
-        {kMaxGroup, 2 * it_long}, {256, 2 * it_long}, {kMaxGroup, it_long}, {256, it_long}};
+    const int fwd_resident[4][2] = {{kMaxGroup, 2 * it_long}, {256, 2 * it_long}, {kMaxGroup, it_long}, {256, it_long}};
     const int (&fwd)[4][2] = resident ? fwd_resident : narrow ? fwd_narrow : fwd_wide;
     const int bwd[2][2] = {{kMaxGroup, itmax}, {kMaxGroup, 2 * itmax}};
     const int n = arrays == 1 ? 4 : 2;
@@ -141,8 +141,9 @@ void check_request(const PlanRequest& r, int itmax) {
                     "opforge softmax plan: rows_per_block must be a power of two with rows_per_block x "
                     "threads_per_row <= 512, got ",
                     opforge::num(r.rows_per_block));
-  TORCH_CHECK_VALUE(pow2(r.it) && r.it <= itmax, "opforge softmax plan: vectors_per_thread must be a power of two <= ",
-                    opforge::num(itmax), " for this dtype and alignment, got ", opforge::num(r.it));
+  TORCH_CHECK_VALUE(pow2(r.it) && r.it <= itmax,
+                    "opforge softmax plan: vectors_per_thread must be a power of two <= ", opforge::num(itmax),
+                    " for this dtype and alignment, got ", opforge::num(r.it));
   TORCH_CHECK_VALUE(!r.resident || r.cluster, "opforge softmax plan: persistent clusters need cluster=True");
 }
 
