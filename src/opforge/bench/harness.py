@@ -128,7 +128,12 @@ def _assert_close_chunked(got: torch.Tensor, want: torch.Tensor, rtol: float, at
         gs, ws = g[start : start + _COMPARE_CHUNK], w[start : start + _COMPARE_CHUNK]
         where = f" (elements {start}..{start + gs.numel() - 1} of {g.numel()})" if g.numel() > _COMPARE_CHUNK else ""
         torch.testing.assert_close(
-            gs.double(), ws.double(), rtol=rtol, atol=atol, equal_nan=False, msg=lambda m: f"{what}{where}: {m}"
+            gs.double(),
+            ws.double(),
+            rtol=rtol,
+            atol=atol,
+            equal_nan=False,
+            msg=lambda m, where=where: f"{what}{where}: {m}",
         )
 
 

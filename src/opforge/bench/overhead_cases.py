@@ -71,7 +71,7 @@ def _conv_cases(opforge) -> list[OverheadCase]:
             ]
 
         for act in ("relu", None):
-            ours = lambda x, w, b, g=groups, a=act: opforge.conv2d_3x3(x, w, b, 1, 1, g, activation=a)
+            ours = lambda x, w, b, g=groups, a=act: opforge.conv2d_3x3(x, w, b, 1, 1, g, activation=a)  # noqa: E731
             if act == "relu":
                 ref = lambda x, w, b, g=groups: torch.relu(F.conv2d(x, w, b, 1, 1, 1, g))  # noqa: E731
                 ref_name = "torch.relu(F.conv2d(...))"

@@ -162,7 +162,7 @@ def measure(
     for plan in candidates(k, dtype, arrays):
         kind = "resident" if plan[4] else "cluster" if plan[3] else "-"
         args = plan if plan[4] else plan[:4]  # the backward op has no resident clusters
-        record("plan %d/%d/%d/%s" % (plan[0], plan[1], plan[2], kind), lambda *a, args=args: plan_op(*a, *args))
+        record(f"plan {plan[0]}/{plan[1]}/{plan[2]}/{kind}", lambda *a, args=args: plan_op(*a, *args))
     return rows
 
 
