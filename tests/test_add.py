@@ -290,7 +290,9 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         b = torch.randn(n, dtype=torch.float64).to(dtype)
         assert torch.equal(add(a, b), (a.double() + b.double()).to(dtype)), (dtype, n)
         assert torch.equal(add_relu(a, b), torch.relu(a.double() + b.double()).to(dtype)), (dtype, n)
-        assert torch.equal(add_relu(a[:, None], b[None, :7]), torch.relu(a.double()[:, None] + b.double()[None, :7]).to(dtype))
+        assert torch.equal(
+            add_relu(a[:, None], b[None, :7]), torch.relu(a.double()[:, None] + b.double()[None, :7]).to(dtype)
+        )
 print("ok")
 """
     run_capped(capability, code)

@@ -426,8 +426,8 @@ def test_busy_warning_from_timing_spread(p20, p80, status, warned):
         assert not noise.spreads(run)
         return
     assert (
-        f"warning: unsteady timings: p80/p20 above 1.5 in 1 of 1 rows (worst {p80 / p20:.2f}, add_relu N=2^20 float32 fwd eager)"
-        in warning
+        "warning: unsteady timings: p80/p20 above 1.5 in 1 of 1 rows "
+        f"(worst {p80 / p20:.2f}, add_relu N=2^20 float32 fwd eager)" in warning
     )
     assert "busy" not in warning and "load average" not in warning  # the load was fine
     assert report.table(run).count(warning) == 2

@@ -349,7 +349,8 @@ def test_errors(fn):
         call(x, w, padding=2)
     with pytest.raises(
         TypeError,
-        match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64|x and weight must have the same dtype, got x Float and weight Double",
+        match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64"
+        r"|x and weight must have the same dtype, got x Float and weight Double",
     ):
         call(x, w.double())
     with pytest.raises(TypeError, match=r"x must be a float32, float64, float16 or bfloat16 tensor"):

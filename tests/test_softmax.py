@@ -240,20 +240,33 @@ for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
             expected = theirs(x.double(), -1).to(dtype)
             log = ours is opforge.log_softmax
             assert_within(ours(x, -1), expected, forward_bound(x.double(), -1, log, expected), equal_nan=True)
-            assert_within(ours(x.t(), 0), expected.t(), forward_bound(x.t().double(), 0, log, expected.t()), equal_nan=True)
+            assert_within(
+                ours(x.t(), 0), expected.t(), forward_bound(x.t().double(), 0, log, expected.t()), equal_nan=True
+            )
         # the fused backward ops
         x, g = (torch.randn(6, K, dtype=torch.float64) * 3 for _ in range(2))
         y = torch.softmax(x, -1).to(dtype)
         expected = torch._softmax_backward_data(g.to(dtype).double(), y.double(), -1, torch.float64).to(dtype)
-        assert_within(torch.ops.opforge._softmax_backward(g.to(dtype), y, -1), expected, backward_bound("softmax", g.to(dtype), y, -1, expected))
+        assert_within(
+            torch.ops.opforge._softmax_backward(g.to(dtype), y, -1),
+            expected,
+            backward_bound("softmax", g.to(dtype), y, -1, expected),
+        )
         y = torch.log_softmax(x, -1).to(dtype)
         expected = torch._log_softmax_backward_data(g.to(dtype).double(), y.double(), -1, torch.float64).to(dtype)
-        assert_within(torch.ops.opforge._log_softmax_backward(g.to(dtype), y, -1), expected, backward_bound("log_softmax", g.to(dtype), y, -1, expected))
+        assert_within(
+            torch.ops.opforge._log_softmax_backward(g.to(dtype), y, -1),
+            expected,
+            backward_bound("log_softmax", g.to(dtype), y, -1, expected),
+        )
         # scaled_masked_softmax with a bool and an additive mask (no row fully masked)
         xs = x.to(dtype)
         keep = torch.rand(6, K) < 0.7
         keep[:, 0] = True
-        for mask, add in ((~keep, torch.zeros(6, K).masked_fill(~keep, -float("inf"))), (torch.randn(6, K).to(dtype), None)):
+        for mask, add in (
+            (~keep, torch.zeros(6, K).masked_fill(~keep, -float("inf"))),
+            (torch.randn(6, K).to(dtype), None),
+        ):
             add = mask.double() if add is None else add.double()
             scores = xs.double() * 0.37 + add
             expected = torch.softmax(scores, -1).to(dtype)
@@ -430,7 +443,8 @@ def test_scaled_masked_bad_inputs():
         f(x, torch.zeros(1, 2, 3, 4, dtype=torch.bool))
     with pytest.raises(
         TypeError,
-        match=r"mask must be a bool tensor \(True = masked out\) or an additive float mask of x's dtype \(torch.float32\), got torch.float64",
+        match=r"mask must be a bool tensor \(True = masked out\) "
+        r"or an additive float mask of x's dtype \(torch.float32\), got torch.float64",
     ):
         f(x, torch.zeros(4, dtype=torch.float64))
     with pytest.raises(TypeError, match=r"mask must be a bool tensor .* got torch.int64"):

@@ -92,7 +92,8 @@ def check_compiler() -> Check:
         return Check(
             "compiler",
             FAIL,
-            f"{kind} {version} at {path} cannot compile {std.upper()}, which torch {'.'.join(map(str, _torch_minor()))} needs: {first}",
+            f"{kind} {version} at {path} cannot compile {std.upper()}, "
+            f"which torch {'.'.join(map(str, _torch_minor()))} needs: {first}",
             "install a newer compiler (g++ >= 10 for C++20) and put it first on PATH or set CXX",
         )
     return Check("compiler", OK, f"{kind} {version} at {path}, {std.upper()} supported")
@@ -116,7 +117,8 @@ def compare_cuda(nvcc: str | None, torch_cuda: str | None) -> tuple[str, str, st
             WARN,
             f"nvcc not found (torch was built with CUDA {torch_cuda}): only CPU kernels can be built",
             (
-                f"install the CUDA {torch_cuda.split('.')[0]}.x toolkit (or a pytorch *-devel container) and set CUDA_HOME"
+                f"install the CUDA {torch_cuda.split('.')[0]}.x toolkit "
+                "(or a pytorch *-devel container) and set CUDA_HOME"
             ),
         )
     if nvcc.split(".")[0] != torch_cuda.split(".")[0]:
@@ -124,7 +126,8 @@ def compare_cuda(nvcc: str | None, torch_cuda: str | None) -> tuple[str, str, st
             FAIL,
             f"nvcc is CUDA {nvcc} but torch was built with CUDA {torch_cuda}: kernels would not load",
             (
-                f"install CUDA {torch_cuda.split('.')[0]}.x and point CUDA_HOME at it, or install a torch built for CUDA {nvcc.split('.')[0]}"
+                f"install CUDA {torch_cuda.split('.')[0]}.x and point CUDA_HOME at it, "
+                f"or install a torch built for CUDA {nvcc.split('.')[0]}"
             ),
         )
     if nvcc != ".".join(torch_cuda.split(".")[:2]):
@@ -242,7 +245,10 @@ def check_disk(root: Path | None = None, warn_gib: float = 2.0, fail_gib: float 
         probe = probe.parent
     free = shutil.disk_usage(probe).free / 2**30
     detail = f"{free:.1f} GiB free for the JIT cache at {root}"
-    fix = "free space on that disk or point TORCH_EXTENSIONS_DIR at a larger one (opforge cache clear removes opforge's builds)"
+    fix = (
+        "free space on that disk or point TORCH_EXTENSIONS_DIR at a larger one "
+        "(opforge cache clear removes opforge's builds)"
+    )
     if free < fail_gib:
         return Check("disk", FAIL, detail, fix)
     if free < warn_gib:
@@ -310,7 +316,8 @@ def check_kernels(timeout: float = 600) -> Check:
             "opforge kernels",
             FAIL,
             f"loading took over {timeout:.0f} s (a JIT build waiting on a lock?)",
-            "run `opforge cache clear` and retry; `OPFORGE_JIT=1 python -c 'import torch, opforge'` runs the build in the foreground",
+            "run `opforge cache clear` and retry; "
+            "`OPFORGE_JIT=1 python -c 'import torch, opforge'` runs the build in the foreground",
         )
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
@@ -329,7 +336,8 @@ def check_kernels(timeout: float = 600) -> Check:
             "opforge kernels",
             WARN,
             f"loaded without CUDA kernels although a GPU is visible: {info}",
-            "rebuild with nvcc available: `pip install --no-build-isolation -e .` (OPFORGE_CUDA=1 makes a missing nvcc an error)",
+            "rebuild with nvcc available: `pip install --no-build-isolation -e .` "
+            "(OPFORGE_CUDA=1 makes a missing nvcc an error)",
         )
     return Check("opforge kernels", OK, info)
 

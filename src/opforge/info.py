@@ -57,11 +57,14 @@ def report() -> str:
     _loader.load()  # every line below but python's needs the kernels; a missing build is an ImportError
     built = _loader.build_info()
     isa = built.get("cpu_isa") or torch.backends.cpu.get_cpu_capability()
+    cuda_kernels = (
+        "built for CUDA " + built["cuda"] + ", archs " + built["archs"] if built["cuda"] != "none" else "not built"
+    )
     lines = [
         f"opforge      {opforge.__version__} ({_loader.source})",
         f"torch        {torch.__version__} (kernels built for torch {built['torch']})",
         f"python       {platform.python_version()}",
-        f"CUDA kernels {'built for CUDA ' + built['cuda'] + ', archs ' + built['archs'] if built['cuda'] != 'none' else 'not built'}",
+        f"CUDA kernels {cuda_kernels}",
         f"CPU kernels  {isa} (the best instruction set compiled in, picked at run time)",
         f"ops          {', '.join(registered_ops())}",
         f"bench cases  {_bench_families()}",

@@ -68,7 +68,8 @@ KINDS = {
         ),
         file_rows=(
             "| `{name}/csrc/cpu/add_relu.cpp` | CPU entry: checks, TensorIterator, picks the ISA |\n"
-            "| `{name}/csrc/cpu/add_relu_kernels.h` | CPU loops (at::vec), built by `add_relu_{{default,avx2,avx512}}.cpp` |\n"
+            "| `{name}/csrc/cpu/add_relu_kernels.h` | CPU loops (at::vec), "
+            "built by `add_relu_{{default,avx2,avx512}}.cpp` |\n"
             "| `{name}/csrc/cuda/add_relu_cuda.cu` | CUDA kernel (16-byte vector loads, current stream) |\n"
             "| `{name}/csrc/add_relu_functors.h` | the arithmetic, shared by CPU and CUDA |"
         ),
@@ -76,7 +77,9 @@ KINDS = {
     "rowwise": Kind(
         op="softmax",
         exports=("softmax",),
-        summary="A row reduction: softmax over the last dimension, computed in float32 for half types, with its backward.",
+        summary=(
+            "A row reduction: softmax over the last dimension, computed in float32 for half types, with its backward."
+        ),
         usage=(
             "    x = torch.randn(64, 1000)\n"
             "    y = {name}.softmax(x)               # == torch.softmax(x, dim=-1)\n"
@@ -84,7 +87,8 @@ KINDS = {
         ),
         file_rows=(
             "| `{name}/csrc/cpu/softmax.cpp` | CPU entry: checks, rows, picks the ISA |\n"
-            "| `{name}/csrc/cpu/softmax_kernels.h` | CPU row loops (at::vec, at::parallel_for), built by `softmax_{{default,avx2,avx512}}.cpp` |\n"
+            "| `{name}/csrc/cpu/softmax_kernels.h` | CPU row loops (at::vec, at::parallel_for), "
+            "built by `softmax_{{default,avx2,avx512}}.cpp` |\n"
             "| `{name}/csrc/cuda/softmax_cuda.cu` | CUDA kernel (one block per row, block reductions) |"
         ),
     ),
@@ -134,7 +138,10 @@ def validate_name(name: str) -> None:
     folder = _project_folders().get(name)
     if folder:
         raise ScaffoldError(f"NAME {name!r} is {folder}; pick another")
-    shadowed = "scripts and tests run in the project folder (python bench.py, python -m pytest) would import the new package instead of it"
+    shadowed = (
+        "scripts and tests run in the project folder (python bench.py, python -m pytest) "
+        "would import the new package instead of it"
+    )
     if name in sys.stdlib_module_names:
         raise ScaffoldError(f"NAME {name!r} is a module of Python's standard library: {shadowed}; pick another")
     try:

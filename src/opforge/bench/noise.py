@@ -93,7 +93,8 @@ def floor_notes(run: Run) -> list[str]:
         return []
     notes = [
         f"% floor = floor time / opforge's time, the floor being the fewest bytes the op must move (inputs read "
-        f"once, outputs written once) at the device-copy bandwidth measured at the start ({run.copy_bandwidth_gbps:.1f} GB/s)"
+        f"once, outputs written once) at the device-copy bandwidth measured at the start "
+        f"({run.copy_bandwidth_gbps:.1f} GB/s)"
     ]
     over = [r for r in memory_bound if _shown_pct(r.providers["opforge"].pct_floor) > 100]
     if over:

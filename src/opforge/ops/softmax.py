@@ -86,7 +86,8 @@ def _check_backward(op: str, grad, output, dim) -> None:
     _checks.same_device(op, "grad", grad, "output", output)
     if grad.shape != output.shape:
         raise ValueError(
-            f"{op}: grad and output must have the same shape, got grad {list(grad.shape)} and output {list(output.shape)}"
+            f"{op}: grad and output must have the same shape, "
+            f"got grad {list(grad.shape)} and output {list(output.shape)}"
         )
     _check_dim(op, output, dim, "output")
 
