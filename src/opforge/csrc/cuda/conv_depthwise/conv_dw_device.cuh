@@ -124,11 +124,13 @@ __device__ __forceinline__ AlignedVec<scalar_t, 4> narrow4(const float (&v)[4], 
     }
     memcpy(&out, w, sizeof(out));
     return out;
-  }
+  } else
 #endif
+  {
 #pragma unroll
-  for (int e = 0; e < 4; ++e) out.val[e] = static_cast<scalar_t>(relu ? relu_nan(v[e]) : v[e]);
-  return out;
+    for (int e = 0; e < 4; ++e) out.val[e] = static_cast<scalar_t>(relu ? relu_nan(v[e]) : v[e]);
+    return out;
+  }
 }
 
 // grad_out where the fused ReLU passed it, else 0: zero where result <= 0,
