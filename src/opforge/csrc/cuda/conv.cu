@@ -138,10 +138,8 @@ std::optional<at::Tensor> cudnn_conv_bias_relu(const at::Tensor& x, const at::Te
     return std::nullopt;
   }
   try {
-    // In x's own layout: converting an NCHW input to channels_last and back
-    // around cuDNN measured slower on the H200 (float32 N32 C64 56x56 K64:
-    // 0.132 ms against 0.085 ms), although cuDNN itself is faster on
-    // channels_last tensors (0.047 ms).
+    // In x's own layout: the two layout conversions around cuDNN cost more
+    // than its faster channels_last kernel saves (docs/ops/conv.md, Design notes).
     at::Tensor y = at::cudnn_convolution_relu(x, w, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                                               {stride, stride}, {padding, padding}, {1, 1}, 1);
     if (!y.is_contiguous(fmt)) y = y.contiguous(fmt);
