@@ -55,19 +55,26 @@ def spreads(run: Run) -> list[tuple[float, CaseResult, str]]:
 
 def busy_warning(run: Run) -> str | None:
     """One line when the machine was busy (load above its cores) or timings were unsteady; else None."""
-    loads, spread = busy_loads(run.environment), spreads(run)
-    if not loads and not spread:
+    spread = spreads(run)
+    worst = (spread[0][0], f"{_row(spread[0][1])} {spread[0][2]}") if spread else None
+    return busy_line(run.environment, len({id(c) for _, c, _ in spread}), len(run.results), worst)
+
+
+def busy_line(environment: dict, unsteady_rows: int, rows: int, worst: tuple[float, str] | None) -> str | None:
+    """The busy-machine warning shared by every report: the load at either end of
+    the run above its usable cores, and `unsteady_rows` of `rows` whose p80/p20
+    is above SPREAD_LIMIT (`worst`: the largest ratio and what it belongs to)."""
+    loads = busy_loads(environment)
+    if not loads and not unsteady_rows:
         return None
     reasons = []
     if loads:
-        cores = run.environment.get("usable_cores") or run.environment.get("cpu_cores")
+        cores = environment.get("usable_cores") or environment.get("cpu_cores")
         reasons.append(f"busy machine: load average {' and '.join(loads)} of the run, above its {cores} cores")
-    if spread:
-        worst, r, key = spread[0]
-        rows = len({id(c) for _, c, _ in spread})
+    if unsteady_rows:
         reasons.append(
-            f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {rows} of {len(run.results)} rows "
-            f"(worst {worst:.2f}, {_row(r)} {key})"
+            f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {unsteady_rows} of {rows} rows "
+            f"(worst {worst[0]:.2f}, {worst[1]})"
         )
     return f"warning: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
 

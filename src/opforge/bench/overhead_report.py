@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from .noise import SPREAD_LIMIT, busy_loads
+from .noise import SPREAD_LIMIT, busy_line
 from .overhead import PROVIDERS, Row, Run, Settings, Timed
 
 SCHEMA = "opforge-bench-overhead/1"
@@ -65,20 +65,12 @@ def spreads(run: Run) -> list[tuple[float, Row, str]]:
 
 def busy_warning(run: Run) -> str | None:
     """The harness's rule: load above the usable cores at either end, or unsteady samples."""
-    loads, spread = busy_loads(run.environment), spreads(run)
-    if not loads and not spread:
-        return None
-    reasons = []
-    if loads:
-        cores = run.environment.get("usable_cores") or run.environment.get("cpu_cores")
-        reasons.append(f"busy machine: load average {' and '.join(loads)} of the run, above its {cores} cores")
+    spread = spreads(run)
+    worst = None
     if spread:
-        worst, r, key = spread[0]
-        reasons.append(
-            f"unsteady timings: p80/p20 above {SPREAD_LIMIT:g} in {len({id(s[1]) for s in spread})} of "
-            f"{len(run.rows)} rows (worst {worst:.2f}, {r.op} grad={'yes' if r.grad else 'no'} {key})"
-        )
-    return f"warning: {'; '.join(reasons)}; the times are unreliable, rerun on a quiet machine"
+        ratio, r, key = spread[0]
+        worst = (ratio, f"{r.op} grad={'yes' if r.grad else 'no'} {key}")
+    return busy_line(run.environment, len({id(s[1]) for s in spread}), len(run.rows), worst)
 
 
 def _summary_line(run: Run) -> str:
