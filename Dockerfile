@@ -29,7 +29,7 @@ RUN apt-get update \
 
 # Build and test tools; torch itself comes from the base image (never
 # reinstalled: the extension must be built against the torch it runs with).
-RUN python -m pip install "setuptools>=64" wheel ninja pytest expecttest numpy matplotlib
+RUN python -m pip install "setuptools>=77" wheel ninja pytest expecttest numpy matplotlib
 
 WORKDIR /opt/opforge
 COPY pyproject.toml setup.py README.md ./
