@@ -24,22 +24,19 @@ __version__ = "0.1.0"
 from . import extension  # noqa: E402  (build helpers; no kernels, no torch at import)
 from .extension import include_paths  # noqa: E402
 
-# Names bound by _load_ops; looking any of them up loads the kernels.
-_NEEDS_KERNELS = frozenset(
-    {
-        "add",
-        "add_relu",
-        "softmax",
-        "log_softmax",
-        "scaled_masked_softmax",
-        "nms",
-        "batched_nms",
-        "nms_padded",
-        "conv2d_3x3",
-        "nn",
-        "ops",
-    }
+# The public ops, bound by _load_ops; looking any of them (or nn, ops) up loads the kernels.
+_OPS = (
+    "add",
+    "add_relu",
+    "softmax",
+    "log_softmax",
+    "scaled_masked_softmax",
+    "nms",
+    "batched_nms",
+    "nms_padded",
+    "conv2d_3x3",
 )
+_NEEDS_KERNELS = frozenset(_OPS) | {"nn", "ops"}
 
 
 def _load_ops() -> None:
@@ -83,21 +80,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [
-    "add",
-    "add_relu",
-    "softmax",
-    "log_softmax",
-    "scaled_masked_softmax",
-    "nms",
-    "batched_nms",
-    "nms_padded",
-    "conv2d_3x3",
-    "nn",
-    "include_paths",
-    "extension",
-    "__version__",
-]
+__all__ = [*_OPS, "nn", "include_paths", "extension", "__version__"]
 
 if "torch" in _sys.modules:
     # torch's import is paid already, so the kernels cost little more, and
