@@ -118,6 +118,7 @@ def _extension_helpers():
 
     spec = importlib.util.spec_from_file_location("_opforge_extension", REPO / "src" / "opforge" / "extension.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -33,7 +33,8 @@ at::Tensor run(Loop loop, const char* op, const at::Tensor& a, const char* a_nam
     });
     return out;
   }
-  auto iter = opforge::make_binary_float_iter(op, a, a_name, b, b_name);
+  opforge::check_binary_args(op, a, a_name, b, b_name);
+  auto iter = opforge::make_binary_float_iter(a, b);
   const auto dtype = iter.dtype(0);
   iter.for_each([&](char** data, const int64_t* strides, int64_t n, int64_t m) { loop(dtype, data, strides, n, m); });
   return iter.output();

@@ -26,7 +26,8 @@ at::Tensor run(const char* op_name, const at::Tensor& a, const char* a_name, con
     });
     return out;
   }
-  auto iter = opforge::make_binary_float_iter(op_name, a, a_name, b, b_name);
+  opforge::check_binary_args(op_name, a, a_name, b, b_name);
+  auto iter = opforge::make_binary_float_iter(a, b);
   const c10::cuda::CUDAGuard guard(iter.device());
   OPFORGE_DISPATCH_FLOATING_TYPES(iter.dtype(0), "opforge_add_family",
                                   [&] { opforge::cuda::binary_kernel<scalar_t>(iter, op); });
