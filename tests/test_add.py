@@ -96,38 +96,103 @@ def test_mixed_dtypes_follow_torch_promotion(name, device):
 # --------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("fn", [opforge.add, opforge.add_relu])
-def test_bad_inputs_raise_clear_errors(fn):
+# The public wrapper and the registered op: the same checks (in C++), the same message.
+CALLERS = {
+    "wrapper": lambda name: getattr(opforge, name),
+    "torch.ops": lambda name: getattr(torch.ops.opforge, name),
+}
+
+
+@pytest.mark.parametrize("caller", CALLERS)
+@pytest.mark.parametrize("name", ["add", "add_relu"])
+def test_bad_inputs_raise_clear_errors(name, caller):
+    fn = CALLERS[caller](name)
     x = torch.randn(3)
-    with pytest.raises(TypeError, match=r"a must be a float32, float64, float16 or bfloat16 tensor, got torch.int64"):
+    op = f"opforge.{name}"
+    with pytest.raises(
+        TypeError, match=rf"^{op}: a must be a float32, float64, float16 or bfloat16 tensor, got torch.int64$"
+    ):
         fn(torch.arange(3), x)
-    with pytest.raises(TypeError, match=r"b must be a float32.* got torch.bool"):
+    with pytest.raises(TypeError, match=rf"^{op}: b must be a float32.* got torch.bool$"):
         fn(x, torch.ones(3, dtype=torch.bool))
-    with pytest.raises(TypeError, match=r"b must be a torch.Tensor, got float"):
-        fn(x, 1.0)
-    with pytest.raises(TypeError, match=r"a must be a torch.Tensor, got list"):
-        fn([1.0], x)
-    with pytest.raises(ValueError, match=r"a with shape \[3\] and b with shape \[4\] are not broadcastable"):
+    # Shapes that do not broadcast: RuntimeError, as torch.add raises.
+    with pytest.raises(RuntimeError, match=rf"^{op}: a with shape \[3\] and b with shape \[4\] are not broadcastable"):
         fn(x, torch.randn(4))
+    # Not a tensor nor a number: torch's argument parser refuses it, naming the argument.
+    with pytest.raises(RuntimeError, match=r"argument 'a'.*found type 'list'"):
+        fn([1.0], x)
+    with pytest.raises(RuntimeError, match=r"failed to match any schema"):
+        fn(1.0, 2.0)
 
 
 @pytest.mark.parametrize("op", ["add", "add_relu", "_add_relu_backward"])
 def test_raw_op_checks_in_cpp(op):
-    # Calling torch.ops directly skips the Python wrapper: the kernel checks too.
-    raw = getattr(torch.ops.opforge, op)
+    raw = getattr(torch.ops.opforge, op).default
     with pytest.raises(TypeError, match=r"must be a float32, float64, float16 or bfloat16 tensor, got torch.int32"):
         raw(torch.ones(3, dtype=torch.int32), torch.ones(3))
-    with pytest.raises(ValueError, match=r"with shape \[2, 3\] and .* with shape \[4\] are not broadcastable"):
+    with pytest.raises(RuntimeError, match=r"with shape \[2, 3\] and .* with shape \[4\] are not broadcastable"):
         raw(torch.ones(2, 3), torch.ones(4))
+
+
+def test_shape_error_is_the_same_under_compile():
+    # The shape function runs the kernels' C++ check, so torch.compile
+    # reports what eager reports (with symbolic sizes under dynamic shapes).
+    torch._dynamo.reset()
+    compiled = torch.compile(opforge.add_relu, fullgraph=True, dynamic=True)
+    with pytest.raises(
+        Exception, match=r"opforge.add_relu: a with shape \[\w+, \w+\] and b with shape \[\w+\] are not broadcastable"
+    ):
+        compiled(torch.ones(2, 3), torch.ones(4))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("fn", [opforge.add, opforge.add_relu])
 def test_different_devices_raise(fn):
-    with pytest.raises(ValueError, match=r"a and b must be on the same device, got a on cuda:0 and b on cpu"):
+    with pytest.raises(RuntimeError, match=r"a and b must be on the same device, got a on cuda:0 and b on cpu"):
         fn(torch.randn(3, device="cuda"), torch.randn(3))
-    with pytest.raises(ValueError, match=r"same device"):
+    with pytest.raises(RuntimeError, match=r"same device"):
         getattr(torch.ops.opforge, fn.__name__)(torch.randn(3), torch.randn(3, device="cuda"))
+
+
+# --------------------------------------------------------------------------- Python numbers
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("number", [2.5, -3, True])
+def test_python_number_either_side(name, dtype, number, device):
+    # As torch.add: the number takes the tensor's dtype (rounded to it first).
+    x = rand((5, 7), dtype, device)
+    as_tensor = torch.tensor(number, dtype=dtype, device=device)
+    with poisoned(device):
+        right = OPS[name][0](x, number)
+        left = OPS[name][0](number, x)
+    for out in (right, left):
+        assert out.dtype == dtype and out.shape == x.shape and out.device == x.device
+        assert torch.equal(out.cpu(), reference(name, x, as_tensor))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_python_number_gradients(name, device):
+    x = rand((4, 3), torch.float64, device).requires_grad_()
+    fn = OPS[name][0]
+    assert torch.autograd.gradcheck(lambda t: fn(t, 0.25), (x,))
+    assert torch.autograd.gradcheck(lambda t: fn(-0.5, t), (x,))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_python_number_overloads_opcheck(name, device):
+    x = rand((8, 3), device=device).requires_grad_()
+    packet = getattr(torch.ops.opforge, name)
+    torch.library.opcheck(packet.number_b, (x, 1.5))
+    torch.library.opcheck(packet.number_a, (-2.0, x))
+
+
+def test_python_number_under_compile(device):
+    torch._dynamo.reset()
+    x = rand((6, 4), device=device)
+    compiled = torch.compile(lambda t: opforge.add_relu(t, 0.5) * opforge.add(2.0, t), fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x), torch.relu(x + 0.5) * (2.0 + x))
 
 
 # --------------------------------------------------------------------------- autograd
@@ -160,8 +225,8 @@ def test_backward_matches_torch(fn, ref, dtype, device):
 
 @pytest.mark.parametrize("fn", [opforge.add, opforge.add_relu])
 def test_no_grad_paths_agree(fn, device):
-    # Without gradients the wrappers skip the autograd layer: same values,
-    # no graph, also under no_grad with inputs that require grad.
+    # Without gradients the autograd kernel calls the op below autograd:
+    # same values, no graph, also under no_grad with inputs that require grad.
     a, b = rand((9, 4), device=device).requires_grad_(), rand((4,), device=device)
     with torch.no_grad():
         out = fn(a, b)
