@@ -6,8 +6,8 @@ and that do require grad, four providers are timed:
 - ``opforge``: the public op;
 - ``torch``: the torch code it replaces;
 - ``floor_wrapper``: ``opforge_bench.noop``, a registered C++ op that does
-  nothing, called through a Python function and opforge's dispatch helper
-  the way opforge's wrappers call their ops;
+  nothing, called through a Python function the way opforge's wrappers call
+  their ops (the op's overload bound once, called with the arguments);
 - ``floor_direct``: the same op called as ``torch.ops.opforge_bench.noop(x)``.
 
 Method: per provider, ``repeats`` loops of ``calls`` calls after one untimed
@@ -95,14 +95,11 @@ def noop_op():
 
 def make_noop_wrapper() -> Callable[[torch.Tensor], torch.Tensor]:
     """The floor op behind a Python function that calls it as opforge's wrappers call
-    theirs: the namespace bound once, ``.default`` looked up per call, through ``call``."""
-    from ..ops._dispatch import call
-
-    noop_op()  # loads the kernels
-    ns = torch.ops.opforge_bench
+    theirs: the overload bound once, called with the arguments."""
+    op = noop_op().default  # loads the kernels
 
     def noop(x: torch.Tensor) -> torch.Tensor:
-        return call(ns.noop.default, x)
+        return op(x)
 
     return noop
 
