@@ -36,7 +36,7 @@ _OPS = (
     "nms_padded",
     "conv2d_3x3",
 )
-_NEEDS_KERNELS = frozenset(_OPS) | {"nn", "ops"}
+_NEEDS_KERNELS = frozenset(_OPS) | {"nn", "ops", "optimize"}
 
 
 def _load_ops() -> None:
@@ -49,6 +49,7 @@ def _load_ops() -> None:
     from .ops.conv import conv2d_3x3
     from .ops.nms import batched_nms, nms, nms_padded
     from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
+    from .optimize import optimize
 
     # Not `from . import nn`: that asks this module's __getattr__ for `nn` first.
     nn = _importlib.import_module(f"{__name__}.nn")
@@ -66,6 +67,7 @@ def _load_ops() -> None:
         softmax=softmax,
         nn=nn,
         ops=ops,
+        optimize=optimize,
     )
 
 
@@ -80,7 +82,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [*_OPS, "nn", "include_paths", "extension", "__version__"]
+__all__ = [*_OPS, "nn", "optimize", "include_paths", "extension", "__version__"]
 
 if "torch" in _sys.modules:
     # torch's import is paid already, so the kernels cost little more, and

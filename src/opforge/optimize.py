@@ -1,0 +1,147 @@
+"""``opforge.optimize(model)``: the model with the layer patterns opforge speeds up replaced.
+
+Patterns, found in the order the model calls its modules (a ``torch.fx``
+trace, or the children of each ``nn.Sequential`` when the model does not
+trace):
+
+- ``Conv2d -> BatchNorm2d`` (eval mode): the BatchNorm is folded into the
+  conv's weight and bias (any conv: folding removes a pass over memory at no
+  cost) and becomes ``nn.Identity``. Training mode never folds.
+- a 3x3 conv opforge supports (dense or depthwise, stride 1 or 2, padding 0
+  or 1, dilation 1, zero padding), with the ReLU after it: one
+  ``opforge.nn.Conv2d3x3`` with the activation fused, **only where it is
+  faster** than what it replaces on the layer's own input. That is measured:
+  pass ``example_inputs`` (one batch, as the model is called) and each such
+  layer is timed both ways on the shape it sees; without them no conv is
+  swapped, and the report says so.
+
+The result is a copy (``inplace=True`` changes ``model`` itself) of the same
+type; ``report=True`` also returns an :class:`OptimizeReport` saying, layer
+by layer, what was replaced and why the rest was left.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from .optimize_choice import ConvCandidate, faster_with_opforge
+from .optimize_fold import folded_conv
+from .optimize_patterns import Chain, find_chains
+
+_FUSABLE_ACTIVATIONS = (torch.nn.ReLU,)
+
+
+@dataclasses.dataclass
+class LayerReport:
+    conv: str  # the conv's qualified name in the model
+    pattern: str  # e.g. "Conv2d(3x3, depthwise) -> BatchNorm2d -> ReLU6"
+    action: str  # what optimize did
+    reason: str = ""  # why (measured times, or what stopped it)
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    layers: list[LayerReport]
+
+    def __str__(self) -> str:
+        lines = [f"{'layer':<28} {'pattern':<46} action"]
+        for r in self.layers:
+            lines.append(f"{r.conv:<28} {r.pattern:<46} {r.action}" + (f" ({r.reason})" if r.reason else ""))
+        return "\n".join(lines)
+
+
+def optimize(
+    model: torch.nn.Module,
+    *,
+    example_inputs: tuple | None = None,
+    inplace: bool = False,
+    report: bool = False,
+):
+    """``model`` with every pattern opforge accelerates replaced (see the module's docs).
+
+    >>> import torch, opforge
+    >>> block = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)).eval()
+    >>> fast = opforge.optimize(block)
+    >>> x = torch.randn(1, 4, 8, 8)
+    >>> torch.allclose(fast(x), block(x), atol=1e-5)
+    True
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"opforge.optimize: model must be a torch.nn.Module, got {type(model).__name__}")
+    out = model if inplace else copy.deepcopy(model)
+    chains = find_chains(out)
+    inputs = _conv_inputs(out, chains, example_inputs) if example_inputs is not None else {}
+    layers = [_apply(out, chain, inputs.get(chain.conv), example_inputs is not None) for chain in chains]
+    return (out, OptimizeReport(layers)) if report else out
+
+
+def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measured: bool) -> LayerReport:
+    conv = model.get_submodule(chain.conv)
+    bn = model.get_submodule(chain.bn) if chain.bn else None
+    act = model.get_submodule(chain.act) if chain.act else None
+    pattern = " -> ".join([_describe_conv(conv)] + [type(m).__name__ for m in (bn, act) if m is not None])
+    actions = []
+    if bn is not None and not conv.training and not bn.training:
+        conv = folded_conv(conv, bn)
+        _set(model, chain.conv, conv)
+        _set(model, chain.bn, torch.nn.Identity())
+        actions.append("BatchNorm folded")
+    elif bn is not None:
+        return LayerReport(chain.conv, pattern, "left", "training mode: BatchNorm is not folded")
+    # An activation fuses only when nothing (an unfolded BatchNorm) sits between it and the conv.
+    fuse_act = isinstance(act, _FUSABLE_ACTIVATIONS) and (bn is None or bool(actions))
+    candidate = ConvCandidate.of(conv, "relu" if fuse_act else None)
+    if candidate is None:
+        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", "opforge has no kernel for this conv")
+    if not measured:
+        reason = "conv kept: pass example_inputs to time opforge's kernel on this layer's shape"
+        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", reason)
+    if x is None:
+        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", "not called by example_inputs")
+    win, why = faster_with_opforge(candidate, act if not fuse_act else torch.nn.ReLU(), x)
+    if not win:
+        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", why)
+    _set(model, chain.conv, candidate.module())
+    if fuse_act:
+        _set(model, chain.act, torch.nn.Identity())
+    actions.append("opforge conv2d_3x3" + (" + ReLU fused" if fuse_act else ""))
+    return LayerReport(chain.conv, pattern, ", ".join(actions), why)
+
+
+def _describe_conv(conv: torch.nn.Conv2d) -> str:
+    k = "x".join(str(v) for v in conv.kernel_size)
+    kind = "depthwise" if conv.groups == conv.in_channels and conv.groups > 1 else f"groups {conv.groups}"
+    return f"Conv2d({k}, {'dense' if conv.groups == 1 else kind}, s{conv.stride[0]})"
+
+
+def _conv_inputs(model: torch.nn.Module, chains: list[Chain], example_inputs: tuple) -> dict[str, torch.Tensor]:
+    """Each chain's conv input when the model runs ``example_inputs`` (the first call's).
+
+    The run is in eval mode, so that it changes no BatchNorm statistics; the
+    modules' own modes are restored after it."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for chain in chains:
+
+        def hook(module, args, name=chain.conv):
+            seen.setdefault(name, args[0].detach())
+
+        hooks.append(model.get_submodule(chain.conv).register_forward_pre_hook(hook))
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with torch.no_grad():
+            model.eval()(*example_inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m, training in modes:
+            m.training = training
+    return seen
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)

@@ -1,0 +1,127 @@
+"""Whether opforge's conv2d_3x3 beats what it would replace, measured on the layer's own input.
+
+The choice is a timing, not a rule of thumb: the layer as it stands (torch's
+conv, then its activation module) against opforge's fused kernel, on the
+input the layer sees, on its device, dtype and memory format, in the mode
+(eval: forward; training: forward + backward) the model is in. Results are
+cached per process by everything that decides the kernel's speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from .nn import Conv2d3x3
+
+_cache: dict[tuple, tuple[bool, str]] = {}
+# opforge's kernel must be this much faster (3%) to replace torch's layers.
+_MARGIN = 1.03
+
+
+def _pair(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+
+
+@dataclasses.dataclass
+class ConvCandidate:
+    conv: torch.nn.Conv2d
+    activation: str | None  # fused into the kernel: None or "relu"
+    stride: int
+    padding: int
+
+    @classmethod
+    def of(cls, conv: torch.nn.Conv2d, activation: str | None) -> ConvCandidate | None:
+        """The conv as opforge could run it, or None where opforge has no kernel for it."""
+        if tuple(conv.kernel_size) != (3, 3) or _pair(conv.dilation) != (1, 1) or conv.padding_mode != "zeros":
+            return None
+        stride = _pair(conv.stride)
+        padding = (1, 1) if conv.padding == "same" else (0, 0) if conv.padding == "valid" else _pair(conv.padding)
+        if stride[0] != stride[1] or stride[0] not in (1, 2) or padding[0] != padding[1] or padding[0] not in (0, 1):
+            return None
+        if conv.groups not in (1, conv.in_channels) or (conv.groups > 1 and conv.out_channels % conv.groups):
+            return None
+        if conv.weight.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            return None
+        return cls(conv, activation, stride[0], padding[0])
+
+    def module(self) -> Conv2d3x3:
+        """opforge's layer, with the conv's parameters (same values, dtype, device and memory format)."""
+        c = self.conv
+        layer = Conv2d3x3(
+            c.in_channels,
+            c.out_channels,
+            self.stride,
+            self.padding,
+            c.groups,
+            bias=c.bias is not None,
+            activation=self.activation,
+            device="meta",
+        )
+        # clone() keeps the strides, so a channels_last weight stays channels_last.
+        layer.weight = torch.nn.Parameter(c.weight.detach().clone(), requires_grad=c.weight.requires_grad)
+        if c.bias is not None:
+            layer.bias = torch.nn.Parameter(c.bias.detach().clone(), requires_grad=c.bias.requires_grad)
+        return layer.train(c.training)
+
+
+def _key(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor) -> tuple:
+    c = candidate.conv
+    fmt = "cl" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "nchw"
+    return (
+        str(x.device),
+        x.dtype,
+        fmt,
+        tuple(x.shape),
+        tuple(c.weight.shape),
+        c.bias is not None,
+        candidate.stride,
+        candidate.padding,
+        c.groups,
+        type(act).__name__ if act is not None else None,
+        c.training,
+    )
+
+
+def _median_us(fn, device: torch.device, calls: int = 20, repeats: int = 7) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def faster_with_opforge(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor) -> tuple[bool, str]:
+    """(opforge is at least as fast, the measured times as text), cached per process."""
+    key = _key(candidate, act, x)
+    if key in _cache:
+        return _cache[key]
+    ours = candidate.module()
+    training = candidate.conv.training
+
+    def run(layer, post):
+        if not training:
+            with torch.no_grad():
+                return post(layer(x)) if post is not None else layer(x)
+        xg = x.detach().requires_grad_()
+        out = post(layer(xg)) if post is not None else layer(xg)
+        out.sum().backward()
+        return out
+
+    theirs_us = _median_us(lambda: run(candidate.conv, act), x.device)
+    ours_us = _median_us(lambda: run(ours, None if candidate.activation else act), x.device)
+    # A tie within the timing's noise keeps torch's layers: replacing must pay.
+    win = ours_us * _MARGIN <= theirs_us
+    result = (win, f"measured {ours_us:.1f} us vs {theirs_us:.1f} us for torch's layers")
+    _cache[key] = result
+    return result

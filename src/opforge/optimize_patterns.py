@@ -1,0 +1,80 @@
+"""Where ``opforge.optimize`` looks: conv -> [BatchNorm2d] -> [activation] chains, in call order.
+
+A chain links modules that run one after the other on one tensor: the conv's
+output is read only by the BatchNorm, the BatchNorm's only by the
+activation, and each module is called once in the whole model (a module
+shared by two places, such as torchvision ResNet's ``self.relu``, is never
+replaced). The order comes from a ``torch.fx`` trace of the model; a model
+that does not trace is read through its ``nn.Sequential`` containers, whose
+order is their call order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+# The activations a chain may end with (the ones opforge may fuse or report on).
+ACTIVATIONS = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardswish, torch.nn.SiLU)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    conv: str  # qualified module names in the model
+    bn: str | None = None
+    act: str | None = None
+
+
+def find_chains(model: torch.nn.Module) -> list[Chain]:
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # control flow fx cannot trace: fall back to the Sequential containers
+        return _sequential_chains(model)
+    return _traced_chains(model, graph)
+
+
+def _traced_chains(model: torch.nn.Module, graph: torch.fx.Graph) -> list[Chain]:
+    calls = collections.Counter(n.target for n in graph.nodes if n.op == "call_module")
+
+    def module_node(node, kind):
+        ok = node is not None and node.op == "call_module" and calls[node.target] == 1
+        return ok and isinstance(model.get_submodule(node.target), kind)
+
+    def next_of(node):
+        users = list(node.users)
+        return users[0] if len(users) == 1 and users[0].args[:1] == (node,) else None
+
+    chains = []
+    for node in graph.nodes:
+        if not module_node(node, torch.nn.Conv2d):
+            continue
+        bn = act = None
+        after = next_of(node)
+        if module_node(after, torch.nn.BatchNorm2d):
+            bn, after = after.target, next_of(after)
+        if module_node(after, ACTIVATIONS):
+            act = after.target
+        chains.append(Chain(node.target, bn, act))
+    return chains
+
+
+def _sequential_chains(model: torch.nn.Module) -> list[Chain]:
+    counts = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    chains = []
+    for prefix, seq in model.named_modules():
+        if not isinstance(seq, torch.nn.Sequential):
+            continue
+        names = [(f"{prefix}.{n}" if prefix else n, m) for n, m in seq.named_children()]
+        for i, (name, mod) in enumerate(names):
+            if not isinstance(mod, torch.nn.Conv2d) or counts[id(mod)] != 1:
+                continue
+            bn = act = None
+            j = i + 1
+            if j < len(names) and isinstance(names[j][1], torch.nn.BatchNorm2d) and counts[id(names[j][1])] == 1:
+                bn, j = names[j][0], j + 1
+            if j < len(names) and isinstance(names[j][1], ACTIVATIONS) and counts[id(names[j][1])] == 1:
+                act = names[j][0]
+            chains.append(Chain(name, bn, act))
+    return chains

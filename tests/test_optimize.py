@@ -1,0 +1,136 @@
+"""opforge.optimize: BatchNorm folding, fused 3x3 convs chosen by timing, and the report."""
+
+import pytest
+import torch
+
+import opforge
+from opforge.optimize_fold import folded_weight_and_bias
+
+torchvision = pytest.importorskip("torchvision")
+
+
+def randomize_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
+    # A fresh model's mean 0 / variance 1 statistics would hide folding bugs.
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model
+
+
+def test_fold_math_is_exact_in_float64():
+    conv = torch.nn.Conv2d(5, 7, 3, padding=1, dtype=torch.float64)
+    bn = randomize_batchnorm(torch.nn.BatchNorm2d(7, dtype=torch.float64)).eval()
+    x = torch.randn(2, 5, 9, 9, dtype=torch.float64)
+    w, b = folded_weight_and_bias(conv.weight, conv.bias, bn)
+    expected = bn(conv(x))
+    got = torch.nn.functional.conv2d(x, w, b, padding=1)
+    torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_small", "resnet18"])
+def test_eval_model_keeps_its_outputs(name):
+    model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=10)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert type(fast) is type(model) and fast is not model
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=2e-4, rtol=2e-4)
+    folded = [r for r in report.layers if "BatchNorm folded" in r.action]
+    assert folded, str(report)
+    n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules())
+    assert n_bn == sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) - len(folded)
+
+
+def test_without_example_inputs_no_conv_is_swapped():
+    model = randomize_batchnorm(torchvision.models.mobilenet_v2(num_classes=10)).eval()
+    fast, report = opforge.optimize(model, report=True)
+    assert not any(isinstance(m, opforge.nn.Conv2d3x3) for m in fast.modules())
+    assert any("pass example_inputs" in r.reason for r in report.layers)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=2e-4, rtol=2e-4)
+
+
+def test_training_mode_folds_nothing_and_trains_the_same():
+    torch.manual_seed(0)
+    model = randomize_batchnorm(torchvision.models.mobilenet_v2(num_classes=4)).train()
+    x = torch.randn(2, 3, 32, 32)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules()) == sum(
+        isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()
+    )
+    assert all("BatchNorm folded" not in r.action for r in report.layers)
+    losses = []
+    for m in (model, fast):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.manual_seed(1)  # the same dropout mask for both
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_layers_opforge_has_no_kernel_for_are_left_alone():
+    convs = [
+        torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2),
+        torch.nn.Conv2d(8, 8, 5, padding=2),
+        torch.nn.Conv2d(8, 8, 3, padding=1, groups=2),
+        torch.nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),
+    ]
+    model = torch.nn.Sequential(*convs).eval()
+    x = torch.randn(1, 8, 12, 12)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert [type(m) for m in fast] == [torch.nn.Conv2d] * 4
+    assert all(r.reason == "opforge has no kernel for this conv" for r in report.layers), str(report)
+
+
+def test_shared_activation_is_not_fused():
+    class Block(torch.nn.Module):  # one ReLU module used twice, as in torchvision's ResNet
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.relu = torch.nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.relu(self.conv(x)) + x)
+
+    model = Block().eval()
+    x = torch.randn(1, 4, 8, 8)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert isinstance(fast.relu, torch.nn.ReLU)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
+def test_state_dict_round_trip_and_compile():
+    model = randomize_batchnorm(torchvision.models.mobilenet_v2(num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    again = opforge.optimize(model, example_inputs=(x,))
+    again.load_state_dict(fast.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(fast, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), fast(x))
+        torch.testing.assert_close(compiled(x), model(x), atol=2e-4, rtol=2e-4)
+
+
+def test_channels_last_parameters_keep_their_format():
+    model = torch.nn.Sequential(torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), torch.nn.ReLU()).eval()
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(1, 16, 20, 20).to(memory_format=torch.channels_last)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    for p in fast.parameters():
+        if p.dim() == 4:
+            assert p.is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
+def test_bad_model_argument():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        opforge.optimize(lambda x: x)
