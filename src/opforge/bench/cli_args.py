@@ -94,19 +94,22 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="time nothing: print and write (--markdown, --plot) the results saved in PATH by --json",
     )
-    from . import overhead_cli
+    from . import models_cli, overhead_cli
 
     overhead_cli.add_arguments(p)  # `opforge bench overhead [OPS]`
+    models_cli.add_arguments(p)  # `opforge bench models`
 
 
 def run_bench(args) -> int:
     """Runs the benchmark; exit status 1 if any opforge result was WRONG (or errored)."""
     import torch
 
-    from . import harness, overhead_cli, report
+    from . import harness, models_cli, overhead_cli, report
 
     if overhead_cli.wanted(args):
         return overhead_cli.run(args)
+    if models_cli.wanted(args):
+        return models_cli.run(args)
     if args.from_json:
         if args.ops or args.dtype or args.mode or args.quick or args.json:
             print("opforge bench: --from-json redraws a saved run; it takes no ops, --dtype, --mode, --quick or --json")

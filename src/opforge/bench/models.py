@@ -1,0 +1,194 @@
+"""``opforge bench models``: whole torchvision models, end to end, opforge against what users pick.
+
+Per cell (model, device, dtype, batch, memory format, inference or one
+training step) the providers run side by side in one process:
+
+- ``eager``: the model as built (``weights=None``, BatchNorm statistics
+  randomized so folding is exercised on real numbers);
+- ``compile``: ``torch.compile(model)``;
+- ``compile_freezing``: the same with ``torch._inductor.config.freezing``
+  (inference only: it folds conv + BatchNorm too);
+- ``optimize``: ``opforge.optimize(model, example_inputs=...)``;
+- ``compile_optimize``: ``torch.compile(opforge.optimize(model))``;
+- on CUDA also ``compile_ro`` / ``compile_optimize_ro``: ``mode="reduce-overhead"``.
+
+Each provider's output is first compared with the eager float32 model on the
+same input (max relative error, reported); then it is timed: a warm-up,
+then ``repeats`` loops of ``calls`` calls, the device synchronised around
+each loop; the median loop time per call is reported in milliseconds. A
+training step is forward, ``loss = out.float().square().mean()``, backward
+and an SGD step (dropout off, so that the outputs compare).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+MODELS = ("mobilenet_v2", "mobilenet_v3_large", "resnet18", "resnet50")
+PROVIDERS = (
+    "eager",
+    "compile",
+    "compile_freezing",
+    "optimize",
+    "compile_optimize",
+    "compile_ro",
+    "compile_optimize_ro",
+)
+IMAGE = 224
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    model: str
+    device: str
+    dtype: str  # "float32" | "bfloat16"
+    batch: int
+    layout: str  # "channels_last" | "nchw"
+    mode: str  # "inference" | "train"
+    image: int = IMAGE  # the input's height and width
+
+
+@dataclasses.dataclass
+class Timed:
+    ms: float | None = None  # median per call; None: not run (see status)
+    max_rel_error: float | None = None
+    status: str = "ok"  # ok | n/a | failed: <reason>
+
+
+@dataclasses.dataclass
+class CellResult:
+    cell: Cell
+    providers: dict[str, Timed]
+
+
+def providers_for(cell: Cell) -> list[str]:
+    out = [p for p in PROVIDERS if cell.device == "cuda" or not p.endswith("_ro")]
+    return [p for p in out if not (p == "compile_freezing" and cell.mode == "train")]
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.copy_(torch.rand(m.running_mean.shape, generator=gen) * 0.2 - 0.1)
+            m.running_var.copy_(torch.rand(m.running_var.shape, generator=gen) * 0.5 + 0.75)
+    return model
+
+
+def _build(cell: Cell, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    import torchvision
+
+    torch.manual_seed(seed)
+    model = randomized(getattr(torchvision.models, cell.model)(weights=None), seed)
+    dtype = getattr(torch, cell.dtype)
+    fmt = torch.channels_last if cell.layout == "channels_last" else torch.contiguous_format
+    model = model.to(device=cell.device, dtype=dtype, memory_format=fmt).train(cell.mode == "train")
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.eval()  # no random masks: every provider's output compares with the reference
+    x = torch.randn(cell.batch, 3, cell.image, cell.image, device=cell.device, dtype=dtype)
+    x = x.contiguous(memory_format=fmt)
+    return model, x
+
+
+def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: bool) -> Callable[[], torch.Tensor]:
+    import opforge
+
+    m = copy.deepcopy(model)
+    if provider in ("optimize", "compile_optimize", "compile_optimize_ro"):
+        m = opforge.optimize(m, example_inputs=(x,))
+    if provider.startswith("compile"):
+        mode = "reduce-overhead" if provider.endswith("_ro") else None
+        if provider == "compile_freezing":
+            import torch._inductor.config as inductor_config
+
+            with inductor_config.patch(freezing=True):
+                compiled = torch.compile(m, mode=mode)
+                with torch.no_grad():
+                    compiled(x)  # freezing happens at the first call, under the patch
+        else:
+            compiled = torch.compile(m, mode=mode)
+        forward = compiled
+    else:
+        forward = m
+    if not train:
+
+        def infer():
+            with torch.no_grad():
+                return forward(x)
+
+        return infer
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+
+    def step():
+        out = forward(x)
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.detach()
+
+    return step
+
+
+def _max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (out.float().cpu() - ref.float().cpu()).abs().max().item()
+    return diff / max(ref.float().abs().max().item(), 1e-30)
+
+
+def _time(fn: Callable[[], torch.Tensor], device: str, calls: int, repeats: int) -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / calls * 1e3)
+    return statistics.median(samples)
+
+
+def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[str, ...] = ()) -> CellResult:
+    model, x = _build(cell, seed)
+    train = cell.mode == "train"
+    # The reference: the eager model in float32 on the same input, before any training step.
+    ref_model = copy.deepcopy(model).float().eval() if not train else copy.deepcopy(model).float()
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        ref = ref_model(x.float())
+    result = CellResult(cell, {})
+    for provider in providers_for(cell):
+        if only and provider not in only:
+            continue
+        try:
+            torch.manual_seed(seed)
+            fn = _callable(provider, model, x, train)
+            torch.manual_seed(seed)
+            err = _max_rel_error(fn(), ref)
+            result.providers[provider] = Timed(_time(fn, cell.device, calls, repeats), err)
+        except Exception as exc:  # a provider that fails is reported, the others still run
+            result.providers[provider] = Timed(status=f"failed: {type(exc).__name__}: {str(exc)[:200]}")
+        torch._dynamo.reset()
+    return result
+
+
+def cells(devices, models, dtypes, batches, layouts, modes, image: int = IMAGE) -> list[Cell]:
+    out = []
+    for device in devices:
+        for model in models:
+            for dtype in dtypes:
+                if device == "cpu" and dtype != "float32":
+                    continue
+                for batch in batches:
+                    for layout in layouts:
+                        for mode in modes:
+                            out.append(Cell(model, device, dtype, batch, layout, mode, image))
+    return out

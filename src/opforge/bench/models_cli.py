@@ -1,0 +1,79 @@
+"""``opforge bench models``: its options, and how the ``bench`` command runs it."""
+
+from __future__ import annotations
+
+import argparse
+
+from .models import MODELS, PROVIDERS
+
+NAME = "models"
+
+
+def _csv(choices):
+    def parse(text: str) -> list[str]:
+        items = [t for t in text.split(",") if t]
+        bad = [t for t in items if choices and t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(bad)}; choose from {', '.join(choices)}")
+        return items
+
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        f"opforge bench {NAME}",
+        "whole torchvision models end to end: eager, torch.compile (with freezing, reduce-overhead), "
+        "opforge.optimize and both together",
+    )
+    g.add_argument("--models", type=_csv(MODELS), default=None, help=f"default: {','.join(MODELS)}")
+    g.add_argument("--batches", type=_csv(()), default=None, help="default: 1,64 on CUDA, 1 on CPU")
+    g.add_argument("--dtypes", type=_csv(("float32", "bfloat16")), default=None, help="default: both (CPU: float32)")
+    g.add_argument("--layouts", type=_csv(("channels_last", "nchw")), default=None, help="default: both")
+    g.add_argument("--modes", type=_csv(("inference", "train")), default=None, help="default: both")
+    g.add_argument("--providers", type=_csv(PROVIDERS), default=None, help="default: all that apply")
+    g.add_argument("--image", type=int, default=224, help="input height and width (default 224)")
+
+
+def wanted(args) -> bool:
+    return bool(args.ops) and args.ops[0] == NAME
+
+
+def run(args) -> int:
+    import torch
+
+    from . import models, models_report
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print(f"opforge bench {NAME}: --device cuda, but torch sees no CUDA GPU")
+        return 2
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        print(f"opforge bench {NAME}: needs torchvision (pip install torchvision)")
+        return 2
+    batches = [int(b) for b in args.batches] if args.batches else ([1, 64] if device == "cuda" else [1])
+    todo = models.cells(
+        [device],
+        args.models or (list(MODELS[:1]) if args.quick else list(MODELS)),
+        args.dtypes or ["float32", "bfloat16"],
+        batches,
+        args.layouts or ["channels_last", "nchw"],
+        args.modes or (["inference"] if args.quick else ["inference", "train"]),
+        args.image,
+    )
+    calls, repeats = (3, 3) if args.quick else (10, 5)
+    results = []
+    for i, cell in enumerate(todo):
+        if args.progress:
+            print(f"[{i + 1}/{len(todo)}] {models_report.cell_label(cell)}", flush=True)
+        results.append(models.run_cell(cell, calls, repeats, only=tuple(args.providers or ())))
+    print(models_report.table(results))
+    if args.json:
+        models_report.write_json(results, args.json, device)
+        print(f"wrote {args.json}")
+    if args.markdown:
+        models_report.write_markdown(results, args.markdown, device)
+        print(f"wrote {args.markdown}")
+    return 1 if any(t.status.startswith("failed") for r in results for t in r.providers.values()) else 0

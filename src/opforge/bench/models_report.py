@@ -1,0 +1,85 @@
+"""``opforge bench models`` results: a table (ms and speed-ups), Markdown and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .machine import environment
+from .models import PROVIDERS, Cell, CellResult
+
+SCHEMA = "opforge-bench-models/1"
+
+
+def cell_label(c: Cell) -> str:
+    return f"{c.model} {c.device} {c.dtype} batch {c.batch} {c.layout} {c.mode}"
+
+
+def _best_compiled(r: CellResult, names) -> float | None:
+    times = [r.providers[n].ms for n in names if n in r.providers and r.providers[n].ms is not None]
+    return min(times) if times else None
+
+
+def rows(results: list[CellResult]) -> tuple[list[str], list[list[str]]]:
+    header = ["model", "dtype", "batch", "layout", "mode"] + [f"{p} ms" for p in PROVIDERS]
+    header += ["optimize / eager", "compile(optimize) / best compile", "max rel error"]
+    out = []
+    for r in results:
+        c, p = r.cell, r.providers
+        line = [c.model, c.dtype, str(c.batch), c.layout, c.mode]
+        for name in PROVIDERS:
+            t = p.get(name)
+            line.append("-" if t is None else (f"{t.ms:.2f}" if t.ms is not None else t.status.split(":")[0]))
+        eager, opt = p.get("eager"), p.get("optimize")
+        speed = eager.ms / opt.ms if eager and opt and eager.ms and opt.ms else None
+        best = _best_compiled(r, ("compile", "compile_freezing", "compile_ro"))
+        ours = _best_compiled(r, ("compile_optimize", "compile_optimize_ro"))
+        line.append(f"{speed:.2f}x" if speed else "-")
+        line.append(f"{best / ours:.2f}x" if best and ours else "-")
+        errs = [t.max_rel_error for t in p.values() if t.max_rel_error is not None]
+        line.append(f"{max(errs):.1e}" if errs else "-")
+        out.append(line)
+    return header, out
+
+
+def table(results: list[CellResult]) -> str:
+    header, body = rows(results)
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(b, widths, strict=True)) for b in body]
+    failed = [(cell_label(r.cell), n, t.status) for r in results for n, t in r.providers.items() if t.status != "ok"]
+    lines += [f"{label}: {name} {status}" for label, name, status in failed]
+    return "\n".join(lines)
+
+
+def write_json(results: list[CellResult], path: str, device: str) -> None:
+    data = {
+        "schema": SCHEMA,
+        "environment": environment(device),
+        "results": [
+            {
+                "cell": dataclasses.asdict(r.cell),
+                "providers": {k: dataclasses.asdict(v) for k, v in r.providers.items()},
+            }
+            for r in results
+        ],
+    }
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def write_markdown(results: list[CellResult], path: str, device: str) -> None:
+    header, body = rows(results)
+    env = environment(device)
+    lines = [
+        f"# opforge on whole models ({device})",
+        "",
+        f"{env.get('gpu') or env.get('cpu', device)}; torch {env.get('torch', '?')}. Median ms per call "
+        "(inference: forward under no_grad; train: forward + backward + SGD step). "
+        "See `opforge bench models --help` and the docstring of opforge/bench/models.py for the method.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| " + " | ".join("---" for _ in header) + " |",
+    ]
+    lines += ["| " + " | ".join(b) + " |" for b in body]
+    Path(path).write_text("\n".join(lines) + "\n")
