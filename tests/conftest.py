@@ -46,13 +46,16 @@ def pytest_runtest_makereport(item, call):
 NO_GPU = "needs a CUDA GPU (run `make gpu-check` on a GPU machine)"
 
 
+NO_SECOND_GPU = "needs two CUDA GPUs"
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason=NO_GPU)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if gpus == 0 and ("cuda" in item.keywords or "multigpu" in item.keywords):
+            item.add_marker(pytest.mark.skip(reason=NO_GPU))
+        elif gpus < 2 and "multigpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=f"{NO_SECOND_GPU} (this machine has {gpus})"))
 
 
 def pytest_generate_tests(metafunc):
