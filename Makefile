@@ -45,7 +45,7 @@ test: build
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # C++/CUDA sources checked by clang-format (the scaffold's .tmpl files are not C++ until rendered).
-CXX_SOURCES = $(shell git ls-files 'src/*.cpp' 'src/*.cu' 'src/*.h' 'src/*.cuh' 'tests/*.cpp')
+CXX_SOURCES = $(shell git ls-files 'src/*.cpp' 'src/*.cu' 'src/*.h' 'src/*.cuh' 'tests/*.cpp' 'cpp/*.cpp')
 
 lint: $(STAMPS)/venv
 	@$(VENV)/bin/ruff check --quiet src tests tools
