@@ -36,6 +36,7 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/nms_avx2.cpp",
         "csrc/cpu/nms_avx512.cpp",
         "csrc/softmax.cpp",
+        "csrc/softmax_autograd.cpp",
         "csrc/cpu/softmax_cpu.cpp",
         "csrc/cpu/softmax_default.cpp",
         "csrc/cpu/softmax_avx2.cpp",

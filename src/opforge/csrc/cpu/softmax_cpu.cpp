@@ -1,5 +1,5 @@
-// CPU entry points of the softmax family: checks and the (outer, K, inner)
-// view (softmax_host.h), then the loops compiled for this CPU's best ISA
+// CPU entry points of the softmax family: the argument checks and the
+// kernel arguments (softmax_host.h), then the loops compiled for this CPU's best ISA
 // (cpu/softmax_kernels.h).
 #include <torch/library.h>
 
@@ -25,30 +25,34 @@ at::Tensor run_backward(sm::PreparedBwd p) {
 }
 
 at::Tensor softmax_cpu(const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
-  return run_forward(sm::prepare_softmax("opforge.softmax", sm::Mode::Softmax, x, dim, dtype));
+  const int64_t d = sm::check_softmax_args("opforge.softmax", x, dim, dtype);
+  return run_forward(sm::prepare_softmax(sm::Mode::Softmax, x, d, dtype));
 }
 
 at::Tensor log_softmax_cpu(const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
-  return run_forward(sm::prepare_softmax("opforge.log_softmax", sm::Mode::LogSoftmax, x, dim, dtype));
+  const int64_t d = sm::check_softmax_args("opforge.log_softmax", x, dim, dtype);
+  return run_forward(sm::prepare_softmax(sm::Mode::LogSoftmax, x, d, dtype));
 }
 
 at::Tensor scaled_masked_softmax_cpu(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale,
                                      bool causal) {
-  return run_forward(sm::prepare_scaled_masked("opforge.scaled_masked_softmax", x, mask, scale, causal));
+  sm::check_scaled_masked_args("opforge.scaled_masked_softmax", x, mask);
+  return run_forward(sm::prepare_scaled_masked(x, mask, scale, causal));
 }
 
 at::Tensor softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
-  return run_backward(sm::prepare_backward("opforge._softmax_backward", sm::Mode::Softmax, grad, output, dim, 1.0));
+  const int64_t d = sm::check_backward_args("opforge._softmax_backward", grad, output, dim);
+  return run_backward(sm::prepare_backward(sm::Mode::Softmax, grad, output, d, 1.0));
 }
 
 at::Tensor log_softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
-  return run_backward(
-      sm::prepare_backward("opforge._log_softmax_backward", sm::Mode::LogSoftmax, grad, output, dim, 1.0));
+  const int64_t d = sm::check_backward_args("opforge._log_softmax_backward", grad, output, dim);
+  return run_backward(sm::prepare_backward(sm::Mode::LogSoftmax, grad, output, d, 1.0));
 }
 
 at::Tensor scaled_masked_softmax_backward_cpu(const at::Tensor& grad, const at::Tensor& output, double scale) {
-  return run_backward(
-      sm::prepare_backward("opforge._scaled_masked_softmax_backward", sm::Mode::ScaledMasked, grad, output, -1, scale));
+  const int64_t d = sm::check_backward_args("opforge._scaled_masked_softmax_backward", grad, output, -1);
+  return run_backward(sm::prepare_backward(sm::Mode::ScaledMasked, grad, output, d, scale));
 }
 
 }  // namespace

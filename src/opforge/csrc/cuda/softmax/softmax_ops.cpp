@@ -1,5 +1,5 @@
 // CUDA entry points of the softmax family and their registration for the
-// CUDA key: argument checks and views (softmax_host.h), the device guard,
+// CUDA key: the argument checks and kernel arguments (softmax_host.h), the device guard,
 // the dtype dispatch to the per-dtype launchers (launchers.h).
 //
 // Inner-most dim (rows contiguous). Every launch follows a plan (threads per
@@ -112,15 +112,15 @@ gpu::PlanRequest request_from(int64_t threads_per_row, int64_t rows_per_block, i
 at::Tensor softmax_plan_cuda(const at::Tensor& x, int64_t threads_per_row, int64_t rows_per_block,
                              int64_t vectors_per_thread, bool cluster, bool persistent) {
   const gpu::PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster, persistent);
-  return run_forward<sm::Mode::Softmax>(
-      sm::prepare_softmax("opforge_bench.softmax_plan", sm::Mode::Softmax, x, -1, std::nullopt), &r);
+  const int64_t d = sm::check_softmax_args("opforge_bench.softmax_plan", x, -1, std::nullopt);
+  return run_forward<sm::Mode::Softmax>(sm::prepare_softmax(sm::Mode::Softmax, x, d, std::nullopt), &r);
 }
 
 at::Tensor softmax_backward_plan_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t threads_per_row,
                                       int64_t rows_per_block, int64_t vectors_per_thread, bool cluster) {
   const gpu::PlanRequest r = request_from(threads_per_row, rows_per_block, vectors_per_thread, cluster);
-  return run_backward<sm::Mode::Softmax>(
-      sm::prepare_backward("opforge_bench.softmax_backward_plan", sm::Mode::Softmax, grad, output, -1, 1.0), &r);
+  const int64_t d = sm::check_backward_args("opforge_bench.softmax_backward_plan", grad, output, -1);
+  return run_backward<sm::Mode::Softmax>(sm::prepare_backward(sm::Mode::Softmax, grad, output, d, 1.0), &r);
 }
 
 // Few columns over a reduced outer dim: a thread per column would leave
@@ -131,11 +131,12 @@ bool few_columns(const sm::BwdArgs& a) { return a.inner > 1 && a.K >= 16 && a.ou
 
 template <sm::Mode MODE>
 at::Tensor softmax_family_cuda(const char* op, const at::Tensor& x, int64_t dim, std::optional<c10::ScalarType> dtype) {
-  sm::Prepared p = sm::prepare_softmax(op, MODE, x, dim, dtype);
+  const int64_t d = sm::check_softmax_args(op, x, dim, dtype);
+  sm::Prepared p = sm::prepare_softmax(MODE, x, d, dtype);
   if (p.out.numel() > 0 && few_columns(p.args)) {
-    const int64_t d = sm::wrap_dim(op, x, dim, "x");
     const c10::cuda::CUDAGuard guard(p.x.device());
-    at::Tensor rows = run_forward<MODE>(sm::prepare_softmax(op, MODE, p.x.movedim(d, -1), -1, std::nullopt));
+    const at::Tensor moved = p.x.movedim(d, -1);
+    at::Tensor rows = run_forward<MODE>(sm::prepare_softmax(MODE, moved, moved.dim() - 1, std::nullopt));
     p.out.copy_(rows.movedim(-1, d));
     return p.out;
   }
@@ -144,12 +145,13 @@ at::Tensor softmax_family_cuda(const char* op, const at::Tensor& x, int64_t dim,
 
 template <sm::Mode MODE>
 at::Tensor softmax_family_backward_cuda(const char* op, const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
-  sm::PreparedBwd p = sm::prepare_backward(op, MODE, grad, output, dim, 1.0);
+  const int64_t d = sm::check_backward_args(op, grad, output, dim);
+  sm::PreparedBwd p = sm::prepare_backward(MODE, grad, output, d, 1.0);
   if (p.grad_in.numel() > 0 && few_columns(p.args)) {
-    const int64_t d = sm::wrap_dim(op, output, dim, "output");
     const c10::cuda::CUDAGuard guard(p.out.device());
+    const at::Tensor moved_out = p.out.movedim(d, -1);
     at::Tensor rows =
-        run_backward<MODE>(sm::prepare_backward(op, MODE, p.grad.movedim(d, -1), p.out.movedim(d, -1), -1, 1.0));
+        run_backward<MODE>(sm::prepare_backward(MODE, p.grad.movedim(d, -1), moved_out, moved_out.dim() - 1, 1.0));
     p.grad_in.copy_(rows.movedim(-1, d));
     return p.grad_in;
   }
@@ -166,8 +168,8 @@ at::Tensor log_softmax_cuda(const at::Tensor& x, int64_t dim, std::optional<c10:
 
 at::Tensor scaled_masked_softmax_cuda(const at::Tensor& x, const std::optional<at::Tensor>& mask, double scale,
                                       bool causal) {
-  return run_forward<sm::Mode::ScaledMasked>(
-      sm::prepare_scaled_masked("opforge.scaled_masked_softmax", x, mask, scale, causal));
+  sm::check_scaled_masked_args("opforge.scaled_masked_softmax", x, mask);
+  return run_forward<sm::Mode::ScaledMasked>(sm::prepare_scaled_masked(x, mask, scale, causal));
 }
 
 at::Tensor softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, int64_t dim) {
@@ -179,8 +181,8 @@ at::Tensor log_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& o
 }
 
 at::Tensor scaled_masked_softmax_backward_cuda(const at::Tensor& grad, const at::Tensor& output, double scale) {
-  return run_backward<sm::Mode::ScaledMasked>(
-      sm::prepare_backward("opforge._scaled_masked_softmax_backward", sm::Mode::ScaledMasked, grad, output, -1, scale));
+  const int64_t d = sm::check_backward_args("opforge._scaled_masked_softmax_backward", grad, output, -1);
+  return run_backward<sm::Mode::ScaledMasked>(sm::prepare_backward(sm::Mode::ScaledMasked, grad, output, d, scale));
 }
 
 }  // namespace
