@@ -80,7 +80,9 @@ def programs() -> dict[str, Path]:
     out = CACHE / key.hexdigest()[:16]
     names = {"dlopen": out / "test_ops", "linked": out / "test_ops_linked"}
     if not all(p.exists() for p in names.values()):
-        shutil.rmtree(CACHE, ignore_errors=True)  # older keys: nothing reuses them
+        for old in CACHE.glob("*"):  # older keys: nothing reuses them (builds in flight are left alone)
+            if ".tmp" not in old.name:
+                shutil.rmtree(old, ignore_errors=True)
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True)
         compile_, link, linked = build_commands(tmp, library)
@@ -88,7 +90,10 @@ def programs() -> dict[str, Path]:
         _run([*link, "-o", str(tmp / "test_ops")])
         _run([*link, *linked, "-o", str(tmp / "test_ops_linked")])
         (tmp / "test_ops.o").unlink()
-        os.replace(tmp, out)  # whole or not at all, should two runs build at once
+        try:
+            os.replace(tmp, out)  # whole or not at all, should two runs build at once
+        except OSError:  # the other run was first: its programs are the same
+            shutil.rmtree(tmp, ignore_errors=True)
     return names
 
 
@@ -110,7 +115,8 @@ def _report(proc: subprocess.CompletedProcess) -> str:
 def test_library_needs_no_python():
     library = _library()
     undefined = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True, check=True)
-    python_symbols = [ln.split()[-1] for ln in undefined.stdout.splitlines() if re.match(r"_?Py", ln.split()[-1])]
+    symbols = [ln.split()[-1] for ln in undefined.stdout.splitlines() if ln.strip()]
+    python_symbols = [name for name in symbols if re.match(r"_?Py", name)]
     assert not python_symbols, f"{library} needs Python symbols: {python_symbols}"
     needed = subprocess.run(["readelf", "-d", library], capture_output=True, text=True, check=True).stdout
     assert "libpython" not in needed and "libtorch_python" not in needed, needed
