@@ -131,7 +131,7 @@ def test_missing_compiled_module_is_an_import_error(no_kernels, code):
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(
-        "ImportError: opforge's compiled kernels (opforge._C) could not be loaded: No module named"
+        "ImportError: opforge's compiled kernels (opforge._C) could not be loaded: no _C.abi3.so in"
     ), proc.stderr
     assert "pip install --no-build-isolation -e ." in last and "OPFORGE_JIT=1" in last
 
@@ -174,10 +174,11 @@ def test_import_opforge_alone_imports_no_torch_and_binds_plain_attributes():
     proc = run_python(
         """
         import sys, opforge
-        print("torch" in sys.modules, "opforge._C" in sys.modules)
+        loaded = lambda: getattr(sys.modules.get("opforge._loader"), "source", None) is not None
+        print("torch" in sys.modules, loaded())
         import torch
         y = opforge.add_relu(torch.ones(3), -2 * torch.ones(3))  # the first use loads the kernels
-        print("opforge._C" in sys.modules, "add_relu" in vars(opforge), y.tolist())
+        print(loaded(), "add_relu" in vars(opforge), y.tolist())
         print(torch.ops.opforge.add_relu.default(torch.ones(2), torch.ones(2)).tolist(), opforge.nn.AddReLU.__name__)
         """
     )

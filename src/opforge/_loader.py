@@ -1,13 +1,17 @@
 """Loads opforge's compiled kernels: the installed ``opforge._C`` or a JIT build.
 
-A missing or mismatched build is an ImportError that says what to run;
-opforge never carries on without its kernels.
+``opforge._C`` (``_C.abi3.so`` next to this file) is a plain shared library,
+not a Python module: it needs no Python symbol, so C++ programs load it too
+(docs/cpp.md). Python loads it with ``torch.ops.load_library``, which runs its
+op registrations. A missing or mismatched build is an ImportError that says
+what to run; opforge never carries on without its kernels.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.machinery
 import os
+from pathlib import Path
 
 import torch
 
@@ -48,6 +52,30 @@ def _torch_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+def library_path() -> str:
+    """The installed kernel library: ``_C`` with the first suffix Python's own
+    import would pick (``_C.abi3.so`` for opforge's builds), next to this file.
+
+    Raises ImportError (saying what to run) when there is none.
+    """
+    folder = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = folder / f"_C{suffix}"
+        if path.is_file():
+            return str(path)
+    raise ImportError(f"opforge's compiled kernels (opforge._C) could not be loaded: no _C.abi3.so in {folder}. {_FIX}")
+
+
+def _load_library(path: str) -> None:
+    # load_library raises OSError("Could not load this library: <path>") with the
+    # loader's own reason (an undefined symbol: built for another torch) as its cause.
+    try:
+        torch.ops.load_library(path)
+    except OSError as exc:
+        reason = exc.__cause__ or exc
+        raise ImportError(f"opforge's compiled kernels (opforge._C) could not be loaded: {reason}. {_FIX}") from None
+
+
 def load() -> None:
     global source
     if source is not None:
@@ -57,12 +85,7 @@ def load() -> None:
 
         source = "jit:" + jit.load()
     else:
-        try:
-            # Importing it runs the op registrations. import_module, not `from . import _C`:
-            # that misreports a missing file as a circular import while opforge initialises.
-            importlib.import_module(f"{__package__}._C")
-        except (ImportError, OSError) as exc:
-            raise ImportError(f"opforge's compiled kernels (opforge._C) could not be loaded: {exc}. {_FIX}") from None
+        _load_library(library_path())
         source = "installed"
     check_torch_version(build_info()["torch"], torch.__version__)
 

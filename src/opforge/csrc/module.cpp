@@ -1,18 +1,12 @@
-// The compiled module `opforge._C`. Importing it runs every TORCH_LIBRARY
-// registration linked into this library; it defines no Python functions, so
-// it needs only the stable CPython ABI (the wheel is abi3).
-#include <Python.h>
+// opforge's kernel library (`opforge/_C.abi3.so`): loading it runs every
+// TORCH_LIBRARY registration linked into it. It is a plain shared library,
+// not a Python module: it needs libtorch and no Python symbol at all, so a
+// C++ program can link or dlopen it, and Python loads it with
+// torch.ops.load_library (opforge/_loader.py).
 #include <opforge/cpu_isa.h>
 #include <torch/library.h>
 
 #include <string>
-
-extern "C" {
-PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}
-}
 
 #define OPFORGE_STR_(...) #__VA_ARGS__
 #define OPFORGE_STR(...) OPFORGE_STR_(__VA_ARGS__)
