@@ -386,6 +386,29 @@ def test_scaled_masked_nan_propagates_and_strides(dtype, device):
     check_smsm(base[:, 1:, 1:], None, 1.0, causal=True)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_layouts(kind, device):
+    # The mask's rows are addressed through its own strides (0 where it
+    # broadcasts): more independent broadcast dims than the row map holds
+    # (8), a mask broadcast along the keys, a 0-d mask, a transposed one.
+    cases = [
+        ((2,) * 10 + (5,), (2, 1) * 5 + (5,)),
+        ((3, 4, 6), (3, 4, 1)),
+        ((3, 4, 6), ()),
+        ((2, 5, 4), (4, 5)),  # transposed below
+    ]
+    for xs, ms in cases:
+        x = rand(xs, torch.float32, device, scale=2.0)
+        mask = make_mask(kind, ms, torch.float32, device)
+        if ms == (4, 5):
+            mask = mask.t()
+        if kind == "bool" and mask.dim() > 0:
+            mask[..., 0] = False  # no fully masked rows
+        elif kind == "bool":
+            mask = torch.tensor(False, device=device)
+        check_smsm(x, mask, scale=0.75)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scaled_masked_softmax_matches_torch_composition(dtype, device):
     x = rand((2, 3, 16, 16), dtype, device)

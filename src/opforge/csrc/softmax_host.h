@@ -12,6 +12,7 @@
 // Every output is a fresh contiguous tensor of the result dtype.
 #pragma once
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/MemoryFormat.h>
@@ -20,7 +21,6 @@
 #include <opforge/checks.h>
 
 #include <optional>
-#include <vector>
 
 #include "softmax.h"
 
@@ -100,8 +100,10 @@ inline void view_3d(const at::Tensor& t, int64_t dim, int64_t& outer, int64_t& K
 }
 
 // A fresh contiguous tensor shaped and placed like `t` (t's own layout and
-// strides are not copied).
+// strides are not copied). On the CPU it is allocated directly, as torch's
+// own CPU kernels allocate their outputs, without a second dispatch.
 inline at::Tensor empty_contiguous(const at::Tensor& t) {
+  if (t.is_cpu()) return at::detail::empty_cpu(t.sizes(), t.scalar_type());
   return at::empty(t.sizes(), t.options(), c10::MemoryFormat::Contiguous);
 }
 
@@ -152,30 +154,39 @@ inline Prepared prepare_scaled_masked(const at::Tensor& x, const std::optional<a
   if (a.Lq == 0) a.Lq = 1;
 
   if (mask.has_value() && mask->defined()) {
-    at::Tensor e = mask->expand(x.sizes());
-    if (x.size(-1) > 1 && e.stride(-1) != 1) e = e.contiguous();
+    const auto xs = x.sizes();
+    const int64_t nd = static_cast<int64_t>(xs.size());
+    // The mask's stride along x's dim d once expanded to x's shape (0 where
+    // it broadcasts), read off its own sizes and strides: no view is made.
+    auto stride_of = [&](const at::Tensor& t, int64_t d) -> int64_t {
+      const int64_t dt = d - (nd - t.dim());
+      return dt < 0 || (t.size(dt) == 1 && xs[d] != 1) ? 0 : t.stride(dt);
+    };
+    at::Tensor e = *mask;
+    if (xs[nd - 1] > 1 && stride_of(e, nd - 1) != 1) e = e.expand(xs).contiguous();
     // Leading dims of x (all but the last), size-1 dims dropped, coalesced
     // where the mask's strides allow.
-    std::vector<int64_t> sizes, strides;
-    for (int64_t d = 0; d + 1 < x.dim(); ++d) {
-      if (x.size(d) == 1) continue;
-      if (!sizes.empty() && strides.back() == e.stride(d) * x.size(d)) {
-        sizes.back() *= x.size(d);
-        strides.back() = e.stride(d);
+    RowOffset& rows = a.mask_rows;
+    rows.ndim = 0;
+    for (int64_t d = 0; d + 1 < nd && rows.ndim <= RowOffset::kMaxDims; ++d) {
+      if (xs[d] == 1) continue;
+      const int64_t stride = stride_of(e, d);
+      if (rows.ndim > 0 && rows.strides[rows.ndim - 1] == stride * xs[d]) {
+        rows.sizes[rows.ndim - 1] *= xs[d];
+        rows.strides[rows.ndim - 1] = stride;
+      } else if (rows.ndim < RowOffset::kMaxDims) {
+        rows.sizes[rows.ndim] = xs[d];
+        rows.strides[rows.ndim] = stride;
+        ++rows.ndim;
       } else {
-        sizes.push_back(x.size(d));
-        strides.push_back(e.stride(d));
+        ++rows.ndim;  // one more than the map holds: stop
       }
     }
-    if (static_cast<int>(sizes.size()) > RowOffset::kMaxDims) {
-      e = e.contiguous();  // rare: too many independent broadcast dims
-      sizes.assign(1, a.outer);
-      strides.assign(1, x.size(-1));
-    }
-    a.mask_rows.ndim = static_cast<int>(sizes.size());
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      a.mask_rows.sizes[i] = sizes[i];
-      a.mask_rows.strides[i] = strides[i];
+    if (rows.ndim > RowOffset::kMaxDims) {
+      e = e.expand(xs).contiguous();  // rare: too many independent broadcast dims
+      rows.ndim = 1;
+      rows.sizes[0] = a.outer;
+      rows.strides[0] = xs[nd - 1];
     }
     p.mask = e;
     a.mask = e.const_data_ptr();
