@@ -151,8 +151,13 @@ int main(int argc, char** argv) {
   } catch (const std::invalid_argument& e) {
     std::fprintf(stderr, "opforge_run: %s\n", e.what());
     return 2;
+  } catch (const c10::Error& e) {
+    // The ops' checks (opforge's messages name the op and the argument) and
+    // libtorch's errors, without the C++ backtrace.
+    std::fprintf(stderr, "opforge_run: %s\n", e.what_without_backtrace());
+    return 2;
   } catch (const std::exception& e) {
-    // The package's own checks (input shapes, dtypes) and libtorch's errors.
+    // The package's own checks (input shapes, dtypes).
     std::fprintf(stderr, "opforge_run: %s\n", e.what());
     return 2;
   }

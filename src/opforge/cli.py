@@ -1,4 +1,4 @@
-"""The ``opforge`` command: ``info``, ``bench``, ``demo``, ``cache``, ``new``, ``doctor``, ``ptxas``.
+"""The ``opforge`` command: ``info``, ``bench``, ``demo``, ``cache``, ``new``, ``doctor``, ``ptxas``, ``deploy``.
 
 Run it as ``opforge ...`` (installed) or ``python -m opforge ...``. Importing
 this module imports neither torch nor opforge's kernels: ``cache``, ``doctor``,
@@ -54,6 +54,12 @@ def _cmd_ptxas(args) -> int:
     return ptxas_report.main(args.files, log=args.log, arch=args.arch, includes=args.include)
 
 
+def _cmd_deploy(args) -> int:
+    from . import deploy
+
+    return deploy.main(args.script, args.out, dynamic_batch=not args.static_batch, runner=args.runner)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="opforge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include", "-I", action="append", default=[], help="another include folder (repeatable)")
     p.set_defaults(func=_cmd_ptxas)
 
+    p = sub.add_parser(
+        "deploy",
+        help="export a model to an AOTInductor package that the C++ runner (cpp/runner) runs without Python",
+    )
+    p.add_argument("script", help="a Python file defining `model` and `example_inputs` (see docs/deploy.md)")
+    p.add_argument("--out", default="deploy", help="folder for model.pt2, input.pt, expected.pt (default ./deploy)")
+    p.add_argument("--static-batch", action="store_true", help="export the example's batch size only")
+    p.add_argument("--runner", action="store_true", help="also build the C++ runner (build/runner/)")
+    p.set_defaults(func=_cmd_deploy)
+
     from .bench.cli_args import add_parsers as add_bench_parsers
 
     add_bench_parsers(sub)  # `bench` and `demo` (= `bench --quick`)
@@ -95,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # torch.utils.benchmark and torch.compile import torch.utils.cpp_extension;
 # imported first through opforge, it takes opforge's CUDA_HOME and stays quiet.
-_IMPORTS_CPP_EXTENSION = {"bench", "demo"}
+_IMPORTS_CPP_EXTENSION = {"bench", "demo", "deploy"}
 
 
 def main(argv=None) -> int:

@@ -81,3 +81,47 @@ def load_script(path: str):
     model = module.model() if callable(module.model) and not hasattr(module.model, "forward") else module.model
     inputs = module.example_inputs() if callable(module.example_inputs) else module.example_inputs
     return model, _as_tuple(inputs)
+
+
+RUNNER_SOURCE = Path(__file__).resolve().parents[2] / "cpp" / "runner" / "opforge_run.cpp"
+
+
+def runner_source() -> Path:
+    """cpp/runner/opforge_run.cpp of the source tree (the runner is built from source)."""
+    if not RUNNER_SOURCE.is_file():
+        raise FileNotFoundError(
+            f"opforge deploy: the runner's source {RUNNER_SOURCE} is missing; the runner is built from a "
+            "source checkout of opforge"
+        )
+    return RUNNER_SOURCE
+
+
+def build_runner(cache: Path | None = None) -> Path:
+    """Builds (once per change) ``opforge_run`` against this torch's libtorch, linked with
+    opforge's kernel library; returns its path."""
+    from . import _loader, native_build
+
+    source = runner_source()
+    cache = cache or source.parents[2] / "build" / "runner"
+    programs = native_build.build_programs(
+        source, cache, {"opforge_run": (("torch", "torch_cpu", "c10"), _loader.library_path())}
+    )
+    return programs["opforge_run"]
+
+
+def main(script: str, out: str, *, dynamic_batch: bool, runner: bool) -> int:
+    import sys
+
+    try:
+        model, inputs = load_script(script)
+        made = package(model, inputs, out, dynamic_batch=dynamic_batch)
+    except (OSError, TypeError, AttributeError, ValueError) as exc:
+        print(f"opforge deploy: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {made.package} ({made.package_bytes / 1e6:.1f} MB, compiled in {made.compile_seconds:.0f} s)")
+    print(f"wrote {made.inputs} and {made.expected}")
+    if runner:
+        binary = build_runner()
+        print(f"runner: {binary}")
+        print(f"run it: {binary} {made.package} {made.inputs} output.pt --expected {made.expected}")
+    return 0
