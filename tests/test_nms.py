@@ -8,6 +8,7 @@ first) with torchvision's suppression.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -277,6 +278,53 @@ def test_autocast(dtype, device):
             assert torch.equal(opforge.nms(boxes, scores, 0.5), expected)
 
 
+# --------------------------------------------------------------------------- iou_threshold
+
+
+def _odd_boxes(n, device):
+    """Ordinary boxes mixed with zero-area and inverted ones (negative areas)."""
+    boxes = rand_boxes(n, device=device, img=200.0)
+    boxes[::7, 2] = boxes[::7, 0]  # zero width
+    boxes[1::7, 3] = boxes[1::7, 1]  # zero height
+    boxes[2::7, 0], boxes[2::7, 2] = boxes[2::7, 2].clone(), boxes[2::7, 0].clone()  # inverted x
+    boxes[3::7] = boxes[3::7].flip(1)  # fully inverted
+    return boxes
+
+
+@pytest.mark.parametrize(
+    "thr", [-math.inf, -1e300, -1.0, -0.1, -0.0, 1.0 + 2.0**-20, 1.5, 1e39, 1e300, math.inf, math.nan]
+)
+def test_any_iou_threshold_as_torchvision(thr, device):
+    # torchvision takes any float: above 1 (or NaN) nothing is suppressed,
+    # below 0 even boxes that do not overlap (IoU 0) are. Inverted boxes have
+    # negative areas, so their IoUs can be negative or above 1.
+    boxes = _odd_boxes(300, device)
+    scores = rand_scores(300, device=device)
+    out = check(boxes, scores, thr)
+    assert torch.equal(out.cpu(), torchvision.ops.nms(boxes.cpu(), scores.cpu(), thr))
+    check(boxes, scores, thr, idxs=torch.randint(0, 4, (300,), device=device))
+    check(boxes.double(), scores, thr)
+
+
+def test_negative_iou_threshold_keeps_the_top_box_of_each_class(device):
+    boxes = rand_boxes(50, device=device)
+    scores = rand_scores(50, device=device)
+    top = int(scores.argmax())
+    assert opforge.nms(boxes, scores, -0.5).tolist() == [top]
+    idxs = torch.arange(50, device=device) % 3
+    expected = sorted(
+        (int(torch.nonzero(idxs == c)[scores[idxs == c].argmax()]) for c in range(3)), key=lambda i: -float(scores[i])
+    )
+    assert opforge.batched_nms(boxes, scores, idxs, -0.5).tolist() == expected
+
+
+def test_nan_iou_threshold_keeps_every_box(device):
+    boxes = torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 4, device=device)
+    scores = torch.tensor([0.4, 0.3, 0.2, 0.1], device=device)
+    assert opforge.nms(boxes, scores, math.nan).tolist() == [0, 1, 2, 3]
+    assert torchvision.ops.nms(boxes.cpu(), scores.cpu(), math.nan).tolist() == [0, 1, 2, 3]
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -284,93 +332,195 @@ def _args(device="cpu"):
     return rand_boxes(5, device=device), rand_scores(5, device=device)
 
 
-@pytest.mark.parametrize(
-    "call,exc,text",
-    [
-        (lambda b, s: opforge.nms(b[:, :3], s, 0.5), ValueError, "boxes must have shape (N, 4), got (5, 3)"),
-        (lambda b, s: opforge.nms(b[None], s, 0.5), ValueError, "boxes must have shape (N, 4)"),
-        (lambda b, s: opforge.nms(b, s[None], 0.5), ValueError, "scores must have shape (N,), got (1, 5)"),
-        (
-            lambda b, s: opforge.nms(b, s[:4], 0.5),
-            ValueError,
-            "boxes and scores must have the same length, got boxes with 5 and scores with 4",
-        ),
-        (
-            lambda b, s: opforge.nms(b.long(), s, 0.5),
-            TypeError,
-            "boxes must be a float32, float64, float16 or bfloat16 tensor, got torch.int64",
-        ),
-        (lambda b, s: opforge.nms(b, s.int(), 0.5), TypeError, "scores must be a float32"),
-        (lambda b, s: opforge.nms(b.tolist(), s, 0.5), TypeError, "boxes must be a torch.Tensor, got list"),
-        (lambda b, s: opforge.nms(b, s, 1.5), ValueError, "iou_threshold must be in [0, 1], got 1.5"),
-        (lambda b, s: opforge.nms(b, s, -0.1), ValueError, "iou_threshold must be in [0, 1]"),
-        (lambda b, s: opforge.nms(b, s, float("nan")), ValueError, "iou_threshold must be in [0, 1], got nan"),
-        (lambda b, s: opforge.nms(b, s, "0.5"), TypeError, "iou_threshold must be a number, got str"),
-        (
-            lambda b, s: opforge.nms(b, s, 0.5, score_threshold=float("nan")),
-            ValueError,
-            "score_threshold must not be NaN",
-        ),
-        (lambda b, s: opforge.nms(b, s, 0.5, max_output=-1), ValueError, "max_output must be >= 0, got -1"),
-        (lambda b, s: opforge.nms(b, s, 0.5, max_output=2.0), TypeError, "max_output must be an int, got float"),
-        (
-            lambda b, s: opforge.batched_nms(b, s, torch.zeros(5), 0.5),
-            TypeError,
-            "idxs must be an int64 or int32 tensor, got torch.float32",
-        ),
-        (
-            lambda b, s: opforge.batched_nms(b, s, torch.zeros(4, dtype=torch.long), 0.5),
-            ValueError,
-            "boxes and idxs must have the same length, got boxes with 5 and idxs with 4",
-        ),
-        (
-            lambda b, s: opforge.batched_nms(b, s, torch.zeros(5, 1, dtype=torch.long), 0.5),
-            ValueError,
-            "idxs must have shape (N,)",
-        ),
-        (lambda b, s: opforge.nms_padded(b, s, 0.5, None), TypeError, "max_output must be an int, got NoneType"),
-        (lambda b, s: opforge.nms_padded(b, s, 0.5, -3), ValueError, "max_output must be >= 0, got -3"),
-    ],
-)
-def test_errors(call, exc, text):
+_NAN = float("nan")
+_LONG = torch.int64
+
+# (op, arguments from (boxes, scores), keywords, exception, message). Shapes
+# that do not fit are RuntimeError (as in torchvision), dtypes TypeError,
+# unsupported option values ValueError.
+_BAD = [
+    ("nms", lambda b, s: (b[:, :3], s, 0.5), {}, RuntimeError, "opforge.nms: boxes must have shape (N, 4), got [5, 3]"),
+    (
+        "nms",
+        lambda b, s: (b[None], s, 0.5),
+        {},
+        RuntimeError,
+        "opforge.nms: boxes must have shape (N, 4), got [1, 5, 4]",
+    ),
+    ("nms", lambda b, s: (b[0], s, 0.5), {}, RuntimeError, "opforge.nms: boxes must have shape (N, 4), got [4]"),
+    ("nms", lambda b, s: (b, s[None], 0.5), {}, RuntimeError, "opforge.nms: scores must have shape (N,), got [1, 5]"),
+    (
+        "nms",
+        lambda b, s: (b, s[:4], 0.5),
+        {},
+        RuntimeError,
+        "opforge.nms: boxes and scores must have the same length, got boxes with 5 and scores with 4",
+    ),
+    (
+        "nms",
+        lambda b, s: (b.long(), s, 0.5),
+        {},
+        TypeError,
+        "opforge.nms: boxes must be a float32, float64, float16 or bfloat16 tensor, got torch.int64",
+    ),
+    (
+        "nms",
+        lambda b, s: (b, s.int(), 0.5),
+        {},
+        TypeError,
+        "opforge.nms: scores must be a float32, float64, float16 or bfloat16 tensor, got torch.int32",
+    ),
+    (
+        "nms",
+        lambda b, s: (b, s, 0.5),
+        {"score_threshold": _NAN},
+        ValueError,
+        "opforge.nms: score_threshold must not be NaN",
+    ),
+    ("nms", lambda b, s: (b, s, 0.5), {"max_output": -1}, ValueError, "opforge.nms: max_output must be >= 0, got -1"),
+    (
+        "batched_nms",
+        lambda b, s: (b, s, torch.zeros(5), 0.5),
+        {},
+        TypeError,
+        "opforge.batched_nms: idxs must be an int64 or int32 tensor, got torch.float32",
+    ),
+    (
+        "batched_nms",
+        lambda b, s: (b, s, torch.zeros(4, dtype=_LONG), 0.5),
+        {},
+        RuntimeError,
+        "opforge.batched_nms: boxes and idxs must have the same length, got boxes with 5 and idxs with 4",
+    ),
+    (
+        "batched_nms",
+        lambda b, s: (b, s, torch.zeros(5, 1, dtype=_LONG), 0.5),
+        {},
+        RuntimeError,
+        "opforge.batched_nms: idxs must have shape (N,), got [5, 1]",
+    ),
+    (
+        "batched_nms",
+        lambda b, s: (b[:, :2], s, torch.zeros(5, dtype=_LONG), 0.5),
+        {},
+        RuntimeError,
+        "opforge.batched_nms: boxes must have shape (N, 4), got [5, 2]",
+    ),
+    (
+        "batched_nms",
+        lambda b, s: (b, s, torch.zeros(5, dtype=_LONG), 0.5),
+        {"max_output": -2},
+        ValueError,
+        "opforge.batched_nms: max_output must be >= 0, got -2",
+    ),
+    ("nms_padded", lambda b, s: (b, s, 0.5, -3), {}, ValueError, "opforge.nms_padded: max_output must be >= 0, got -3"),
+    (
+        "nms_padded",
+        lambda b, s: (b, s[:3], 0.5, 4),
+        {},
+        RuntimeError,
+        "opforge.nms_padded: boxes and scores must have the same length, got boxes with 5 and scores with 3",
+    ),
+    (
+        "nms_padded",
+        lambda b, s: (b, s, 0.5, 4),
+        {"idxs": torch.zeros(6, dtype=torch.int32)},
+        RuntimeError,
+        "opforge.nms_padded: boxes and idxs must have the same length, got boxes with 5 and idxs with 6",
+    ),
+    (
+        "nms_padded",
+        lambda b, s: (b, s, 0.5, 4),
+        {"idxs": torch.zeros(5, dtype=torch.bool)},
+        TypeError,
+        "opforge.nms_padded: idxs must be an int64 or int32 tensor, got torch.bool",
+    ),
+    (
+        "nms_padded",
+        lambda b, s: (b, s, 0.5, 4),
+        {"score_threshold": _NAN},
+        ValueError,
+        "opforge.nms_padded: score_threshold must not be NaN",
+    ),
+]
+
+
+@pytest.mark.parametrize("name,args,kwargs,exc,text", _BAD)
+def test_errors(name, args, kwargs, exc, text):
+    # one contract, in C++: the wrapper and the op say the same thing
     b, s = _args()
-    with pytest.raises(exc) as info:
-        call(b, s)
-    assert text in str(info.value)
-    assert info.value.args[0].startswith("opforge.")
+    messages = []
+    for fn in (getattr(opforge, name), getattr(torch.ops.opforge, name)):
+        with pytest.raises(exc) as info:
+            fn(*args(b, s), **kwargs)
+        messages.append(str(info.value))
+    assert text in messages[0]
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("name,args,kwargs,exc,text", _BAD)
+def test_errors_under_fake_tensors(name, args, kwargs, exc, text):
+    # the shape functions (nms_padded's Meta kernel, the others' fake kernels)
+    # run the same C++ checks, on fake tensors with symbolic sizes too
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    b, s = _args()
+    real = args(b, s)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in real]
+    fake_kwargs = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with mode, pytest.raises(exc) as info:
+        getattr(torch.ops.opforge, name)(*fake, **fake_kwargs)
+    # a size may be printed as its symbol
+    pattern = re.sub(r"\d+", lambda m: rf"(?:{m.group()}|s\d+)", re.escape(text))
+    assert re.search(pattern, str(info.value)), (str(info.value), text)
+
+
+def test_errors_under_compile():
+    # symbolic lengths: the message names the symbols (s0, s1 ...)
+    b, s = _args()
+    cases = [
+        (lambda b, s: opforge.nms(b, s[:4], 0.5), "opforge.nms: boxes and scores must have the same length"),
+        (
+            lambda b, s: opforge.batched_nms(b, s, torch.zeros(4, dtype=_LONG), 0.5),
+            "opforge.batched_nms: boxes and idxs must have the same length",
+        ),
+        (lambda b, s: opforge.nms(b, s, 0.5, max_output=-1), "opforge.nms: max_output must be >= 0, got -1"),
+        (lambda b, s: opforge.nms_padded(b[:, :3], s, 0.5, 8), "opforge.nms_padded: boxes must have shape (N, 4)"),
+        (lambda b, s: opforge.batched_nms(b, s, s, 0.5), "opforge.batched_nms: idxs must be an int64 or int32 tensor"),
+    ]
+    for fn, text in cases:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
+        with pytest.raises(RuntimeError, match=re.escape(text)):
+            compiled(b, s)
 
 
 @pytest.mark.parametrize(
-    "call,exc,text",
+    "call,text",
     [
-        (lambda b, s: torch.ops.opforge.nms(b[:, :3], s, 0.5), ValueError, "opforge.nms: boxes must have shape (N, 4)"),
-        (lambda b, s: torch.ops.opforge.nms(b, s[:4], 0.5), ValueError, "boxes and scores must have the same length"),
-        (lambda b, s: torch.ops.opforge.nms(b.long(), s, 0.5), TypeError, "opforge.nms: boxes must be a float32"),
-        (lambda b, s: torch.ops.opforge.nms(b, s, 2.0), ValueError, "iou_threshold must be in [0, 1], got 2"),
-        (lambda b, s: torch.ops.opforge.nms(b, s, 0.5, max_output=-1), ValueError, "max_output must be >= 0"),
-        (
-            lambda b, s: torch.ops.opforge.batched_nms(b, s, torch.zeros(5), 0.5),
-            TypeError,
-            "idxs must be an int64 or int32 tensor",
-        ),
-        (
-            lambda b, s: torch.ops.opforge.nms_padded(b, s, 0.5, -1),
-            ValueError,
-            "opforge.nms_padded: max_output must be >= 0",
-        ),
+        (lambda b, s: opforge.nms(b, s, "0.5"), "argument 'iou_threshold'"),
+        (lambda b, s: opforge.nms(b, s, None), "argument 'iou_threshold'"),
+        (lambda b, s: opforge.nms(b.tolist(), s, 0.5), "argument 'boxes'"),
+        (lambda b, s: opforge.nms(b, s, 0.5, max_output=2.0), "argument 'max_output'"),
+        (lambda b, s: opforge.nms(b, s, 0.5, score_threshold="0"), "argument 'score_threshold'"),
+        (lambda b, s: opforge.batched_nms(b, s, [0] * 5, 0.5), "argument 'idxs'"),
+        (lambda b, s: opforge.nms_padded(b, s, 0.5, None), "argument 'max_output'"),
+        (lambda b, s: opforge.nms_padded(b, s, 0.5, 4, idxs=[0] * 5), "argument 'idxs'"),
     ],
 )
-def test_errors_in_the_kernel(call, exc, text):
-    # the C++ checks say the same as the wrappers when the op is called directly
+def test_wrong_python_types(call, text):
+    # the schema's types are checked by torch's binding (RuntimeError, as
+    # for torchvision.ops.nms), before any opforge code
     b, s = _args()
-    with pytest.raises(exc) as info:
+    with pytest.raises(RuntimeError, match=re.escape(text)):
         call(b, s)
-    assert text in str(info.value)
 
 
 def test_nms_padded_max_output_too_large(device):
-    """The padded output has max_output entries: past 2**31 - 1 the wrapper, the
-    kernel and the fake kernel refuse it by name, before any allocation."""
+    """The padded output has max_output entries: past 2**31 - 1 the kernel and
+    the shape function refuse it by name, before any allocation."""
     b, s = _args(device)
     text = (
         r"opforge.nms_padded: max_output must be at most 2147483647 \(the length of the padded output\), "
@@ -391,13 +541,16 @@ def test_nms_padded_max_output_too_large(device):
 
 @pytest.mark.cuda
 def test_different_devices():
+    # RuntimeError, as torchvision (and torch) raise for tensors on two devices
     b, s = _args()
-    with pytest.raises(ValueError, match="boxes and scores must be on the same device"):
-        opforge.nms(b, s.cuda(), 0.5)
-    with pytest.raises(ValueError, match="boxes and idxs must be on the same device"):
-        opforge.batched_nms(b.cuda(), s.cuda(), torch.zeros(5, dtype=torch.long), 0.5)
-    with pytest.raises(ValueError, match="boxes and scores must be on the same device"):
-        torch.ops.opforge.nms(b, s.cuda(), 0.5)
+    for fn in (opforge.nms, torch.ops.opforge.nms):
+        with pytest.raises(RuntimeError, match="opforge.nms: boxes and scores must be on the same device"):
+            fn(b, s.cuda(), 0.5)
+    for fn in (opforge.batched_nms, torch.ops.opforge.batched_nms):
+        with pytest.raises(RuntimeError, match="opforge.batched_nms: boxes and idxs must be on the same device"):
+            fn(b.cuda(), s.cuda(), torch.zeros(5, dtype=torch.long), 0.5)
+    with pytest.raises(RuntimeError, match="opforge.nms_padded: boxes and scores must be on the same device"):
+        opforge.nms_padded(b.cuda(), s, 0.5, 4)
 
 
 # --------------------------------------------------------------------------- torch.library / compile
@@ -411,6 +564,16 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.opforge.batched_nms.default, (b, s, idxs, 0.5), {"score_threshold": 0.1})
     torch.library.opcheck(torch.ops.opforge.nms_padded.default, (b, s, 0.5, 16), {"idxs": idxs})
     torch.library.opcheck(torch.ops.opforge.nms_padded.default, (b.half(), s, 0.3, 50), {})
+    torch.library.opcheck(torch.ops.opforge.nms.default, (b, s, -0.5), {})  # any float threshold
+    torch.library.opcheck(torch.ops.opforge._nms_check.default, (b, s, None, None, 30), {})
+    torch.library.opcheck(torch.ops.opforge._nms_check.default, (b, s, idxs, 0.1, None), {})
+    # inputs that require grad: test_autograd_registration runs (the outputs
+    # are indices, so none of them may require grad)
+    bg, sg = b.clone().requires_grad_(), s.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.opforge.nms.default, (bg, sg, 0.5), {})
+    torch.library.opcheck(torch.ops.opforge.batched_nms.default, (bg, sg, idxs, 0.5), {"max_output": 5})
+    torch.library.opcheck(torch.ops.opforge.nms_padded.default, (bg, sg, 0.5, 16), {"score_threshold": 0.2})
+    torch.library.opcheck(torch.ops.opforge._nms_check.default, (bg, sg, idxs, None, None), {})
 
 
 def test_compile(device):

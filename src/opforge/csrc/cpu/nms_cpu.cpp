@@ -1,10 +1,10 @@
 // CPU entry points of the NMS family (nms, batched_nms, nms_padded).
 //
 // 1. Candidates: every box, or those with score > score_threshold.
-// 2. One stable sort by score, descending (ties: lower index first; NaN
-//    scores first, as torch.sort orders them).
-// 3. batched_nms: a stable sort of the classes in that order splits the
-//    boxes into per-class segments, each still in score order.
+// 2. One sort by score, descending (ties: lower index first, so the order
+//    is a stable sort's; NaN scores first, as torch.sort orders them).
+// 3. batched_nms: a sort by class (ties: score order) splits the boxes into
+//    per-class segments, each still in score order.
 // 4. Boxes gathered once into structure-of-arrays x1, y1, x2, y2, area in
 //    float32 (float64 for float64 boxes).
 // 5. Per segment, a blocked sweep: within a block of 256 boxes the kept ones
@@ -16,14 +16,12 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
-#include <ATen/ops/scalar_tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <vector>
 
 #include <opforge/cpu_isa.h>
 
@@ -37,6 +35,13 @@ OPFORGE_CPU_DECLARE(void, nms_suppress_f64, const double*, const double*, const 
 namespace {
 
 constexpr int64_t kBlock = 256;
+
+// Work arrays live on the stack up to this many boxes: a small call then
+// allocates nothing but its output (heap allocations cost more there than
+// the sweep).
+constexpr unsigned kSmall = 64;
+template <typename T, unsigned N = kSmall>
+using Buf = c10::SmallVector<T, N>;
 
 template <typename T>
 using SuppressFn = void (*)(const T*, const T*, const T*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
@@ -66,8 +71,7 @@ template <typename T>
 void sweep(const Soa<T>& b, int64_t s, int64_t e, T thr, int64_t max_keep, bool parallel, uint8_t* removed,
            uint8_t* keep) {
   const auto fn = pick_suppress<T>();
-  std::vector<int64_t> rows;
-  rows.reserve(kBlock);
+  Buf<int64_t, kBlock> rows;
   int64_t count = 0;
   for (int64_t b0 = s; b0 < e; b0 += kBlock) {
     const int64_t b1 = std::min(b0 + kBlock, e);
@@ -94,8 +98,8 @@ void sweep(const Soa<T>& b, int64_t s, int64_t e, T thr, int64_t max_keep, bool 
 }
 
 // Scores as float64 (exact for every float dtype), read through strides.
-std::vector<double> scores_as_double(const at::Tensor& scores) {
-  std::vector<double> out(static_cast<size_t>(scores.size(0)));
+Buf<double> scores_as_double(const at::Tensor& scores) {
+  Buf<double> out(static_cast<size_t>(scores.size(0)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "opforge_nms_scores", [&] {
     const auto acc = scores.accessor<scalar_t, 1>();
     for (int64_t i = 0; i < scores.size(0); ++i) out[i] = static_cast<double>(acc[i]);
@@ -103,42 +107,69 @@ std::vector<double> scores_as_double(const at::Tensor& scores) {
   return out;
 }
 
-// Kept original indices in score order, at most `max_output` of them.
-// Plain loops rather than ATen calls: at these sizes each ATen op costs more
-// in dispatch and threading than the work it does.
-at::Tensor nms_kept_cpu(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
-                        const std::optional<at::Tensor>& idxs, double iou_threshold,
-                        std::optional<double> score_threshold, std::optional<int64_t> max_output) {
-  opforge::nms::check_args(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output);
-  const auto long_opts = boxes.options().dtype(at::kLong);
-  const int64_t limit = max_output.value_or(std::numeric_limits<int64_t>::max());
-  if (boxes.size(0) == 0 || limit == 0) return at::empty({0}, long_opts);
+// The sweep's result: candidate boxes (original indices) in score order,
+// which of them are kept, and how many (at most the limit).
+struct Kept {
+  Buf<int64_t> ord;
+  Buf<uint8_t> keep;
+  int64_t count = 0;
 
-  // 1-2. candidates in score order (original indices): a stable sort,
-  // descending, NaN first (as torch.sort).
-  const std::vector<double> sc = scores_as_double(scores);
-  std::vector<int64_t> ord;
+  // The kept original indices in score order; `out` holds `count` entries.
+  void write(int64_t* out) const {
+    for (size_t p = 0, j = 0; p < ord.size() && static_cast<int64_t>(j) < count; ++p) {
+      if (keep[p]) out[j++] = ord[p];
+    }
+  }
+};
+
+// Class ids as int64, read through strides (int64 or int32, checked).
+Buf<int64_t> classes_of(const at::Tensor& idxs) {
+  Buf<int64_t> out(static_cast<size_t>(idxs.size(0)));
+  AT_DISPATCH_INDEX_TYPES(idxs.scalar_type(), "opforge_nms_idxs", [&] {
+    const auto acc = idxs.accessor<index_t, 1>();
+    for (int64_t i = 0; i < idxs.size(0); ++i) out[i] = static_cast<int64_t>(acc[i]);
+  });
+  return out;
+}
+
+// Steps 1-5 on checked arguments, stopping at `limit` kept boxes. Plain
+// loops rather than ATen calls: at small sizes each ATen op costs more in
+// dispatch and threading than the work it does.
+Kept nms_kept_cpu(const at::Tensor& boxes, const at::Tensor& scores, const std::optional<at::Tensor>& idxs,
+                  double iou_threshold, std::optional<double> score_threshold, int64_t limit) {
+  Kept result;
+  if (boxes.size(0) == 0 || limit == 0) return result;
+
+  // 1-2. candidates in score order (original indices), descending, NaN
+  // first (as torch.sort), ties by index: a total order, so std::sort
+  // (which needs no buffer) gives the stable sort's result.
+  const Buf<double> sc = scores_as_double(scores);
+  Buf<int64_t>& ord = result.ord;
   ord.reserve(sc.size());
   for (int64_t i = 0; i < static_cast<int64_t>(sc.size()); ++i) {
     if (!score_threshold.has_value() || sc[i] > *score_threshold) ord.push_back(i);
   }
   const int64_t n = static_cast<int64_t>(ord.size());
-  if (n == 0) return at::empty({0}, long_opts);
-  std::stable_sort(ord.begin(), ord.end(), [&](int64_t a, int64_t b) {
+  if (n == 0) return result;
+  std::sort(ord.begin(), ord.end(), [&](int64_t a, int64_t b) {
     const bool na = std::isnan(sc[a]), nb = std::isnan(sc[b]);
-    return na != nb ? na : (!na && sc[a] > sc[b]);
+    if (na != nb) return na;
+    if (!na && sc[a] != sc[b]) return sc[a] > sc[b];
+    return a < b;
   });
 
   // 3. per-class segments, each in score order: `perm` (positions into ord)
-  // grouped by class.
-  std::vector<int64_t> seg{0, n};
-  std::vector<int64_t> perm;
+  // grouped by class, ties by position.
+  Buf<int64_t> seg{0, n};
+  Buf<int64_t> perm;
   if (idxs.has_value()) {
-    const at::Tensor cls_t = idxs->to(at::kLong);
-    const auto cls = cls_t.accessor<int64_t, 1>();
+    const Buf<int64_t> cls = classes_of(*idxs);
     perm.resize(static_cast<size_t>(n));
     for (int64_t p = 0; p < n; ++p) perm[p] = p;
-    std::stable_sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) { return cls[ord[a]] < cls[ord[b]]; });
+    std::sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) {
+      const int64_t ca = cls[ord[a]], cb = cls[ord[b]];
+      return ca != cb ? ca < cb : a < b;
+    });
     seg.assign(1, 0);
     for (int64_t p = 1; p < n; ++p) {
       if (cls[ord[perm[p]]] != cls[ord[perm[p - 1]]]) seg.push_back(p);
@@ -149,11 +180,12 @@ at::Tensor nms_kept_cpu(const char* op, const at::Tensor& boxes, const at::Tenso
   auto box_at = [&](int64_t p) { return perm.empty() ? ord[p] : ord[perm[p]]; };
 
   // 4-5.
-  std::vector<uint8_t> removed(static_cast<size_t>(n), 0);
-  std::vector<uint8_t> keep(static_cast<size_t>(n), 0);
+  Buf<uint8_t> removed(static_cast<size_t>(n), 0);
+  Buf<uint8_t>& keep = result.keep;
+  keep.assign(static_cast<size_t>(n), 0);
   auto run = [&](auto zero) {
     using T = decltype(zero);
-    std::vector<T> soa(static_cast<size_t>(5 * n));
+    Buf<T, 5 * kSmall> soa(static_cast<size_t>(5 * n));
     T* d = soa.data();
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, boxes.scalar_type(), "opforge_nms_gather", [&] {
       const auto acc = boxes.accessor<scalar_t, 2>();
@@ -174,7 +206,7 @@ at::Tensor nms_kept_cpu(const char* op, const at::Tensor& boxes, const at::Tenso
       sweep<T>(b, 0, n, thr, limit, /*parallel=*/true, removed.data(), keep.data());
     } else {
       // Small classes in parallel, large ones one after another with the
-      // parallel sweep. The output is cut to max_output afterwards, in global
+      // parallel sweep. The output is cut to the limit afterwards, in global
       // score order.
       constexpr int64_t kLarge = 8 * kBlock;
       const int64_t all = std::numeric_limits<int64_t>::max();
@@ -200,44 +232,56 @@ at::Tensor nms_kept_cpu(const char* op, const at::Tensor& boxes, const at::Tenso
 
   // 6. back to score order.
   if (!perm.empty()) {
-    std::vector<uint8_t> by_score(static_cast<size_t>(n), 0);
+    Buf<uint8_t> by_score(static_cast<size_t>(n), 0);
     for (int64_t p = 0; p < n; ++p) by_score[perm[p]] = keep[p];
     keep.swap(by_score);
   }
   int64_t k = 0;
   for (int64_t p = 0; p < n; ++p) k += keep[p];
-  k = std::min(k, limit);
-  at::Tensor kept = at::empty({k}, long_opts);
-  int64_t* out = kept.data_ptr<int64_t>();
-  for (int64_t p = 0, j = 0; p < n && j < k; ++p) {
-    if (keep[p]) out[j++] = ord[p];
-  }
-  return kept;
+  result.count = std::min(k, limit);
+  return result;
+}
+
+// Through at::empty, so torch's deterministic mode fills it first (the
+// tests' poisoned() then catches an element left unwritten).
+at::Tensor long_tensor(at::IntArrayRef sizes) { return at::empty(sizes, at::TensorOptions().dtype(at::kLong)); }
+
+at::Tensor kept_tensor(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
+                       const std::optional<at::Tensor>& idxs, double iou_threshold,
+                       std::optional<double> score_threshold, std::optional<int64_t> max_output) {
+  opforge::nms::check_args(op, boxes, scores, idxs, score_threshold, max_output);
+  const Kept kept = nms_kept_cpu(boxes, scores, idxs, iou_threshold, score_threshold,
+                                 max_output.value_or(std::numeric_limits<int64_t>::max()));
+  at::Tensor out = long_tensor({kept.count});
+  kept.write(out.data_ptr<int64_t>());
+  return out;
 }
 
 at::Tensor nms_cpu(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
                    std::optional<double> score_threshold, std::optional<int64_t> max_output) {
-  return nms_kept_cpu("opforge.nms", boxes, scores, std::nullopt, iou_threshold, score_threshold, max_output);
+  return kept_tensor("opforge.nms", boxes, scores, std::nullopt, iou_threshold, score_threshold, max_output);
 }
 
 at::Tensor batched_nms_cpu(const at::Tensor& boxes, const at::Tensor& scores, const at::Tensor& idxs,
                            double iou_threshold, std::optional<double> score_threshold,
                            std::optional<int64_t> max_output) {
-  return nms_kept_cpu("opforge.batched_nms", boxes, scores, idxs, iou_threshold, score_threshold, max_output);
+  return kept_tensor("opforge.batched_nms", boxes, scores, idxs, iou_threshold, score_threshold, max_output);
 }
 
+// Written in place: two allocations and no further ATen calls.
 std::tuple<at::Tensor, at::Tensor> nms_padded_cpu(const at::Tensor& boxes, const at::Tensor& scores,
                                                   double iou_threshold, int64_t max_output,
                                                   const std::optional<at::Tensor>& idxs,
                                                   std::optional<double> score_threshold) {
-  opforge::nms::check_padded_args("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold,
-                                  max_output);
-  const at::Tensor kept =
-      nms_kept_cpu("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output);
-  const auto long_opts = boxes.options().dtype(at::kLong);
-  at::Tensor out = at::full({max_output}, -1, long_opts);
-  out.narrow(0, 0, kept.size(0)).copy_(kept);
-  return {out, at::scalar_tensor(kept.size(0), long_opts)};
+  opforge::nms::check_padded_args(boxes, scores, idxs, score_threshold, max_output);
+  const Kept kept = nms_kept_cpu(boxes, scores, idxs, iou_threshold, score_threshold, max_output);
+  at::Tensor out = long_tensor({max_output});
+  int64_t* o = out.data_ptr<int64_t>();
+  kept.write(o);
+  std::fill(o + kept.count, o + max_output, int64_t{-1});
+  at::Tensor count = long_tensor({});
+  *count.data_ptr<int64_t>() = kept.count;
+  return {out, count};
 }
 
 }  // namespace

@@ -6,8 +6,9 @@
 // torchvision's formula, in the same order of operations:
 //   inter = max(min(x2) - max(x1), 0) * max(min(y2) - max(y1), 0)
 //   iou   = inter / (area_i + area_j - inter)
-// Pairs with no positive intersection can never pass a threshold in [0, 1]
-// (0 / u is 0, -0 or NaN), so a vector with none skips the division.
+// Pairs with no positive intersection can never pass a threshold >= 0
+// (0 / u is 0, -0 or NaN), so then a vector with none skips the division;
+// below 0 (any float is taken, as in torchvision) every pair is divided.
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -22,7 +23,7 @@ inline bool iou_above(T ix1, T iy1, T ix2, T iy2, T iarea, T jx1, T jy1, T jx2, 
   const T w = std::max(std::min(ix2, jx2) - std::max(ix1, jx1), T(0));
   const T h = std::max(std::min(iy2, jy2) - std::max(iy1, jy1), T(0));
   const T inter = w * h;
-  if (!(inter > T(0))) return false;
+  if (!(inter > T(0)) && thr >= T(0)) return false;
   return inter / (iarea + jarea - inter) > thr;
 }
 
@@ -34,6 +35,7 @@ void suppress(const T* x1, const T* y1, const T* x2, const T* y2, const T* area,
   constexpr int all_lanes = static_cast<int>((uint64_t(1) << W) - 1);
   const V zero(T(0));
   const V vthr(thr);
+  const bool skip_empty = thr >= T(0);
   int64_t j = lo;
   for (; j + W <= hi; j += W) {
     bool live = false;
@@ -47,7 +49,7 @@ void suppress(const T* x1, const T* y1, const T* x2, const T* y2, const T* area,
       const V w = at::vec::maximum(at::vec::minimum(V(x2[i]), jx2) - at::vec::maximum(V(x1[i]), jx1), zero);
       const V h = at::vec::maximum(at::vec::minimum(V(y2[i]), jy2) - at::vec::maximum(V(y1[i]), jy1), zero);
       const V inter = w * h;
-      if ((inter > zero).zero_mask() == all_lanes) continue;
+      if (skip_empty && (inter > zero).zero_mask() == all_lanes) continue;
       const V ovr = inter / ((V(area[i]) + jarea) - inter);
       acc = acc | (ovr > vthr);
     }

@@ -77,7 +77,7 @@ __device__ __forceinline__ bool iou_above(T ix1, T iy1, T ix2, T iy2, T iarea, T
   const T w = max_(sub_rn(min_(ix2, jx2), max_(ix1, jx1)), T(0));
   const T h = max_(sub_rn(min_(iy2, jy2), max_(iy1, jy1)), T(0));
   const T inter = mul_rn(w, h);
-  if (!(inter > T(0))) return false;  // 0 / u never exceeds a threshold in [0, 1]
+  if (!(inter > T(0)) && thr >= T(0)) return false;  // 0 / u (0, -0 or NaN) never exceeds a threshold >= 0
   return div_rn(inter, sub_rn(add_rn(iarea, jarea), inter)) > thr;
 }
 
@@ -342,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor> nms_cuda_impl(const char* op, const at::Tenso
 at::Tensor nms_sized(const char* op, const at::Tensor& boxes, const at::Tensor& scores,
                      const std::optional<at::Tensor>& idxs, double iou_threshold, std::optional<double> score_threshold,
                      std::optional<int64_t> max_output) {
-  opforge::nms::check_args(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output);
+  opforge::nms::check_args(op, boxes, scores, idxs, score_threshold, max_output);
   const int64_t out_len = std::min(boxes.size(0), max_output.value_or(std::numeric_limits<int64_t>::max()));
   auto [out, count] = nms_cuda_impl(op, boxes, scores, idxs, iou_threshold, score_threshold, max_output, out_len);
   // The one host synchronisation: the output's size depends on the data.
@@ -365,8 +365,7 @@ std::tuple<at::Tensor, at::Tensor> nms_padded_cuda(const at::Tensor& boxes, cons
                                                    double iou_threshold, int64_t max_output,
                                                    const std::optional<at::Tensor>& idxs,
                                                    std::optional<double> score_threshold) {
-  opforge::nms::check_padded_args("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold,
-                                  max_output);
+  opforge::nms::check_padded_args(boxes, scores, idxs, score_threshold, max_output);
   return nms_cuda_impl("opforge.nms_padded", boxes, scores, idxs, iou_threshold, score_threshold, max_output,
                        max_output);
 }
