@@ -157,8 +157,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "opforge_run: %s\n", e.what_without_backtrace());
     return 2;
   } catch (const std::exception& e) {
-    // The package's own checks (input shapes, dtypes).
-    std::fprintf(stderr, "opforge_run: %s\n", e.what());
+    // The package's own checks (input shapes, dtypes), and an op's error
+    // passed on by the package with its backtrace, which is cut off.
+    std::string message = e.what();
+    const auto backtrace = message.find("\nException raised from");
+    if (backtrace != std::string::npos) message.resize(backtrace);
+    std::fprintf(stderr, "opforge_run: %s\n", message.c_str());
     return 2;
   }
   return 0;
