@@ -54,6 +54,12 @@ def package(model, example_inputs: tuple, directory, *, dynamic_batch: bool = Tr
     if dynamic_batch:
         batch = torch.export.Dim("batch", min=1, max=1 << 16)
         n = example_inputs[0].shape[0] if example_inputs[0].dim() else None
+        if n is not None and n < 2:
+            # torch.export specializes sizes 0 and 1, so such an example cannot show a varying batch.
+            raise ValueError(
+                "an example batch of 1 cannot export a dynamic batch size: give an example batch of 2 or "
+                "more, or a static batch (--static-batch, dynamic_batch=False)"
+            )
         dynamic = tuple({0: batch} if t.dim() and t.shape[0] == n else None for t in example_inputs)
     start = time.perf_counter()
     with torch.no_grad():
