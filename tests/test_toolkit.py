@@ -112,6 +112,10 @@ def test_new_renders_a_complete_project(kind, tmp_path):
         f"tkfiles/csrc/cpu/{op}_kernels.h",
         f"tkfiles/csrc/cpu/{op}_avx512.cpp",
         f"tkfiles/csrc/cuda/{op}_cuda.cu",
+        f"tkfiles/csrc/{op}_checks.h",
+        f"tkfiles/csrc/{op}_meta.cpp",
+        f"tkfiles/csrc/{op}_autograd.cpp",
+        "tkfiles/csrc/tkfiles/ops.h",
     ):
         assert expected in files, (expected, sorted(files))
     for path in dest.rglob("*"):
@@ -122,6 +126,15 @@ def test_new_renders_a_complete_project(kind, tmp_path):
     # The torch namespace is the project's own, never opforge's.
     assert "TORCH_LIBRARY(tkfiles, m)" in (dest / "tkfiles/csrc/schemas.cpp").read_text()
     assert "TORCH_LIBRARY_IMPL(tkfiles, CPU, m)" in (dest / f"tkfiles/csrc/cpu/{op}.cpp").read_text()
+    # Checks, shape function and autograd are C++; the wrapper only calls the op.
+    assert "TORCH_LIBRARY_IMPL(tkfiles, Meta, m)" in (dest / f"tkfiles/csrc/{op}_meta.cpp").read_text()
+    assert "TORCH_LIBRARY_IMPL(tkfiles, Autograd, m)" in (dest / f"tkfiles/csrc/{op}_autograd.cpp").read_text()
+    for kernel in (f"tkfiles/csrc/cpu/{op}.cpp", f"tkfiles/csrc/cuda/{op}_cuda.cu", f"tkfiles/csrc/{op}_meta.cpp"):
+        assert f'#include "{op}_checks.h"' in (dest / kernel).read_text(), kernel
+    wrapper = (dest / "tkfiles/ops.py").read_text()
+    assert f"_{op} = torch.ops.tkfiles.{op}.default" in wrapper
+    for python_side in ("register_fake", "register_autograd", "raise ", "_dispatch"):
+        assert python_side not in wrapper, python_side
     # Every source in the one source list exists.
     build = (dest / "tkfiles/_build.py").read_text()
     for src in re.findall(r'"(csrc/[^"]+)"', build):

@@ -67,7 +67,13 @@ KINDS = {
             "    act = {name}.nn.AddReLU()           # the same, as an nn.Module"
         ),
         file_rows=(
-            "| `{name}/csrc/cpu/add_relu.cpp` | CPU entry: checks, TensorIterator, picks the ISA |\n"
+            "| `{name}/csrc/add_relu_checks.h` | the one argument contract (SymInt-aware), "
+            "shared by the CPU, CUDA and Meta kernels |\n"
+            "| `{name}/csrc/add_relu_meta.cpp` | the shape functions (Meta kernels) for torch.compile and opcheck |\n"
+            "| `{name}/csrc/add_relu_autograd.cpp` | autograd: a `torch::autograd::Function` per op "
+            "(Autograd key) |\n"
+            "| `{name}/csrc/{name}/ops.h` | the ops for C++ callers, through the dispatcher |\n"
+            "| `{name}/csrc/cpu/add_relu.cpp` | CPU entry: checks, flat loop or TensorIterator, picks the ISA |\n"
             "| `{name}/csrc/cpu/add_relu_kernels.h` | CPU loops (at::vec), "
             "built by `add_relu_{{default,avx2,avx512}}.cpp` |\n"
             "| `{name}/csrc/cuda/add_relu_cuda.cu` | CUDA kernel (16-byte vector loads, current stream) |\n"
@@ -86,6 +92,12 @@ KINDS = {
             "    layer = {name}.nn.Softmax()         # the same, as an nn.Module"
         ),
         file_rows=(
+            "| `{name}/csrc/softmax_checks.h` | the one argument contract (SymInt-aware), "
+            "shared by the CPU, CUDA and Meta kernels |\n"
+            "| `{name}/csrc/softmax_meta.cpp` | the shape functions (Meta kernels) for torch.compile and opcheck |\n"
+            "| `{name}/csrc/softmax_autograd.cpp` | autograd: a `torch::autograd::Function` per op "
+            "(Autograd key) |\n"
+            "| `{name}/csrc/{name}/ops.h` | the ops for C++ callers, through the dispatcher |\n"
             "| `{name}/csrc/cpu/softmax.cpp` | CPU entry: checks, rows, picks the ISA |\n"
             "| `{name}/csrc/cpu/softmax_kernels.h` | CPU row loops (at::vec, at::parallel_for), "
             "built by `softmax_{{default,avx2,avx512}}.cpp` |\n"
