@@ -186,6 +186,23 @@ def test_dense_larger(dtype, channels_last, device):
     check(x, rand((24, 32, 3, 3), dtype, device), rand((24,), dtype, device), 1, 1, 1, True)
 
 
+@pytest.mark.parametrize("shape", [(2, 16, 40, 40, 3), (1, 16, 41, 37, 2), (3, 2, 5, 200, 5), (1, 1, 3, 3, 1)])
+@pytest.mark.parametrize("stride,padding", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_dense_columns_paths(shape, stride, padding, dtype, channels_last, device):
+    """The CPU's im2col + GEMM paths (float64 and float16 never go to
+    oneDNN): an image's columns over the padded image (stride 1, NCHW) or
+    in tiles of output pixels (several per image for the 40x40 shapes),
+    with odd sizes and tails."""
+    n, c, h, wd, k = shape
+    x = rand((n, c, h, wd), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    check(x, rand((k, c, 3, 3), dtype, device), rand((k,), dtype, device), stride, padding, 1, True)
+    check(x, rand((k, c, 3, 3), dtype, device), None, stride, padding, 1, False)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("allow_tf32", [False, True])
 def test_cuda_float32_follows_allow_tf32(allow_tf32):
@@ -256,9 +273,8 @@ def test_groups_zero_with_zero_channels_is_refused(device):
     x = torch.empty((1, 0, 8, 8), device=device)
     w = torch.empty((4, 0, 3, 3), device=device)
     for call in (opforge.conv2d_3x3, torch.ops.opforge.conv2d_3x3):
-        args = (x, w, None, 1, 0, 0) + (("relu",) if call is opforge.conv2d_3x3 else (True,))
         with pytest.raises(ValueError, match=r"groups must be 1 or the number of input channels \(0\), got 0"):
-            call(*args)
+            call(x, w, None, 1, 0, 0, "relu")
 
 
 def test_nan_propagates(device):
@@ -321,81 +337,130 @@ def _args(device="cpu"):
     return rand((2, 4, 8, 8), torch.float32, device), rand((6, 4, 3, 3), torch.float32, device)
 
 
+CALLS = {"wrapper": opforge.conv2d_3x3, "raw": torch.ops.opforge.conv2d_3x3}
+
+
+# Exception types as F.conv2d raises them for what it refuses too
+# (RuntimeError for shapes that do not fit), ValueError for values opforge
+# does not support, TypeError for dtypes; the same message through the
+# wrapper and the op.
 @pytest.mark.parametrize("fn", ["wrapper", "raw"])
 def test_errors(fn):
-    def call(x, w, b=None, stride=1, padding=0, groups=1):
-        if fn == "wrapper":
-            return opforge.conv2d_3x3(x, w, b, stride, padding, groups)
-        return torch.ops.opforge.conv2d_3x3(x, w, b, stride, padding, groups, False)
+    def call(x, w, b=None, stride=1, padding=0, groups=1, activation=None):
+        return CALLS[fn](x, w, b, stride, padding, groups, activation)
 
     x, w = _args()
-    with pytest.raises(ValueError, match=r"x must be a 4-d tensor, got 3-d"):
-        call(x[0], w)
-    with pytest.raises(ValueError, match=r"weight must be a 4-d tensor, got 2-d"):
+    with pytest.raises(RuntimeError, match=r"x must be a 3-d \(C, H, W\) or 4-d \(N, C, H, W\) tensor, got 2-d"):
+        call(x[0, 0], w)
+    with pytest.raises(RuntimeError, match=r"x must be a 3-d .* got 5-d with shape \[1, 2, 4, 8, 8\]"):
+        call(x[None], w)
+    with pytest.raises(RuntimeError, match=r"weight must be a 4-d tensor, got 2-d"):
         call(x, w[:, :, 0, 0])
     with pytest.raises(ValueError, match=r"weight must have a 3x3 kernel .* got shape \[6, 4, 5, 5\]"):
         call(x, rand((6, 4, 5, 5)))
     with pytest.raises(
-        ValueError, match=r"weight must have C/groups = 4 input channels .* got weight shape \[6, 3, 3, 3\]"
+        RuntimeError, match=r"weight must have C/groups = 4 input channels .* got weight shape \[6, 3, 3, 3\]"
     ):
         call(x, rand((6, 3, 3, 3)))
     with pytest.raises(ValueError, match=r"groups must be 1 or the number of input channels \(4\), got 2"):
         call(x, rand((6, 2, 3, 3)), groups=2)
-    with pytest.raises(ValueError, match=r"output channels \(6\) must be a positive multiple of groups \(4\)"):
+    with pytest.raises(RuntimeError, match=r"output channels \(6\) must be a positive multiple of groups \(4\)"):
         call(x, rand((6, 1, 3, 3)), groups=4)
+    with pytest.raises(RuntimeError, match=r"output channels \(0\) must be a positive multiple of groups \(1\)"):
+        call(x, rand((0, 4, 3, 3)))
     with pytest.raises(ValueError, match=r"stride must be 1 or 2, got 3"):
         call(x, w, stride=3)
+    with pytest.raises(ValueError, match=r"stride must be 1 or 2, got 0"):
+        call(x, w, stride=(0, 0))
     with pytest.raises(ValueError, match=r"padding must be 0 or 1, got 2"):
         call(x, w, padding=2)
+    with pytest.raises(ValueError, match=r"stride must be an int or a pair of equal ints .* got \[1, 2\]"):
+        call(x, w, stride=(1, 2))
+    with pytest.raises(ValueError, match=r"stride must be an int or a pair of equal ints .* got \[1, 1, 1\]"):
+        call(x, w, stride=[1, 1, 1])
+    with pytest.raises(ValueError, match=r"padding must be an int or a pair of equal ints .* got \[0, 1\]"):
+        call(x, w, padding=(0, 1))
+    with pytest.raises(ValueError, match=r"padding must be 'same', 'valid', 0 or 1, got 'full'"):
+        call(x, w, padding="full")
+    with pytest.raises(ValueError, match=r"padding='same' is not supported for strided convolutions .* stride 2"):
+        call(x, w, stride=2, padding="same")
+    with pytest.raises(ValueError, match=r"stride must be an int or a pair of equal ints .* got \[2, 1\]"):
+        call(x, w, stride=(2, 1), padding="same")
+    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
+        call(x, w, activation="gelu")
+    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
+        call(x, w, padding="same", activation="gelu")
     with pytest.raises(
-        TypeError,
-        match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64"
-        r"|x and weight must have the same dtype, got x Float and weight Double",
+        TypeError, match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64"
     ):
         call(x, w.double())
-    with pytest.raises(TypeError, match=r"x must be a float32, float64, float16 or bfloat16 tensor"):
+    with pytest.raises(TypeError, match=r"x must be a float32, float64, float16 or bfloat16 tensor, got torch.int32"):
         call(x.int(), w)
-    with pytest.raises(ValueError, match=r"bias must have shape \[6\], got \[5\]"):
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[6\], got \[5\]"):
         call(x, w, rand((5,)))
-    with pytest.raises(ValueError, match=r"bias must have shape \[6\], got \[6, 1\]"):
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[6\], got \[6, 1\]"):
         call(x, w, rand((6, 1)))
-    with pytest.raises(TypeError, match=r"bias must have x's dtype"):
+    with pytest.raises(TypeError, match=r"bias must have x's dtype torch.float32, got torch.float64"):
         call(x, w, rand((6,), torch.float64))
-    with pytest.raises(ValueError, match=r"spatial size \(2, 8\) with padding 0 is smaller than the 3x3 kernel"):
+    with pytest.raises(RuntimeError, match=r"spatial size \(2, 8\) with padding 0 is smaller than the 3x3 kernel"):
         call(x[:, :, :2], w)
+    with pytest.raises(RuntimeError, match=r"spatial size \(2, 8\) with padding 0 is smaller than the 3x3 kernel"):
+        call(x[0, :, :2], w, padding="valid")
 
 
-def test_wrapper_only_errors():
+def test_errors_are_the_same_message():
+    """The wrapper adds nothing: its message is the op's, word for word."""
     x, w = _args()
-    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
-        opforge.conv2d_3x3(x, w, activation="gelu")
-    with pytest.raises(TypeError, match=r"weight must be a torch.Tensor, got list"):
-        opforge.conv2d_3x3(x, [1.0])
-    with pytest.raises(TypeError, match=r"stride must be an int, got float"):
-        opforge.conv2d_3x3(x, w, stride=1.0)
+    messages = []
+    for call in CALLS.values():
+        with pytest.raises(RuntimeError) as info:
+            call(x, rand((6, 3, 3, 3)))
+        messages.append(str(info.value).splitlines()[0])
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("opforge.conv2d_3x3: weight must have C/groups = 4 input channels")
+
+
+def test_binding_errors_name_the_argument():
+    """Arguments of the wrong Python type get torch's binding error, which
+    names the argument and the type the schema expects."""
+    x, w = _args()
+    for call in CALLS.values():
+        with pytest.raises(RuntimeError, match=r"weight"):
+            call(x, [1.0])
+        with pytest.raises(RuntimeError, match=r"stride"):
+            call(x, w, None, 1.5)
+        with pytest.raises(RuntimeError, match=r"activation"):
+            call(x, w, None, 1, 0, 1, True)
 
 
 @pytest.mark.cuda
 def test_different_devices_raise():
     x, w = _args()
-    with pytest.raises(ValueError, match=r"x and weight must be on the same device, got x on cpu and weight on cuda:0"):
-        opforge.conv2d_3x3(x, w.cuda())
-    with pytest.raises(ValueError, match=r"x and bias must be on the same device"):
-        opforge.conv2d_3x3(x.cuda(), w.cuda(), rand((6,)))
-    with pytest.raises(ValueError, match=r"x and weight must be on the same device"):
-        torch.ops.opforge.conv2d_3x3(x.cuda(), w, None, 1, 0, 1, False)
+    for call in CALLS.values():
+        with pytest.raises(
+            RuntimeError, match=r"x and weight must be on the same device, got x on cpu and weight on cuda:0"
+        ):
+            call(x, w.cuda())
+        with pytest.raises(RuntimeError, match=r"x and bias must be on the same device"):
+            call(x.cuda(), w.cuda(), rand((6,)))
+        with pytest.raises(RuntimeError, match=r"x and weight must be on the same device"):
+            call(x.cuda(), w, None, 1, 0, 1, None)
 
 
 def test_backward_op_errors():
     x, w = _args()
     g = rand((2, 6, 6, 6))
     bwd = torch.ops.opforge._conv2d_3x3_backward
-    with pytest.raises(ValueError, match=r"grad_out must have shape \[2, 6, 6, 6\], got \[2, 6, 6, 5\]"):
+    with pytest.raises(RuntimeError, match=r"grad_out must have shape \[2, 6, 6, 6\], got \[2, 6, 6, 5\]"):
         bwd(g[..., :5], None, x, w, 1, 0, 1, [True, True, True])
-    with pytest.raises(ValueError, match=r"result must have grad_out's shape"):
+    with pytest.raises(RuntimeError, match=r"grad_out must have shape \[6, 6, 6\], got \[2, 6, 6, 6\]"):
+        bwd(g, None, x[0], w, 1, 0, 1, [True, True, True])
+    with pytest.raises(RuntimeError, match=r"result must have grad_out's shape"):
         bwd(g, g[..., :5], x, w, 1, 0, 1, [True, True, True])
     with pytest.raises(TypeError, match=r"grad_out must have x's dtype"):
         bwd(g.double(), None, x, w, 1, 0, 1, [True, True, True])
+    with pytest.raises(ValueError, match=r"_conv2d_3x3_backward: stride must be 1 or 2, got 3"):
+        bwd(g, None, x, w, 3, 0, 1, [True, True, True])
 
 
 # --------------------------------------------------------------------------- autograd
@@ -674,16 +739,126 @@ def test_opcheck(kind, dtype, channels_last, device):
     x.requires_grad_()
     w = rand((c, c // groups, 3, 3), dtype, device).requires_grad_()
     b = rand((c,), dtype, device).requires_grad_()
-    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, b, 2, 1, groups, True))
-    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, None, 1, 0, groups, False))
-    out = torch.ops.opforge.conv2d_3x3(x.detach(), w.detach(), b.detach(), 1, 1, groups, True)
+    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, b, 2, 1, groups, "relu"))
+    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, None, (1, 1), [0, 0], groups, None))
+    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.padding, (x, w, b, 1, "same", groups, "relu"))
+    # unbatched (C, H, W)
+    torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x[0], w, b, 1, 1, groups, None))
+    out = torch.ops.opforge.conv2d_3x3(x.detach(), w.detach(), b.detach(), 1, 1, groups, "relu")
     g = rand(out.shape, dtype, device)
     for mask in ([True, True, True], [False, True, False]):
         torch.library.opcheck(
             torch.ops.opforge._conv2d_3x3_backward.default,
             (g, out, x.detach(), w.detach(), 1, 1, groups, mask),
-            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"),
         )
+    torch.library.opcheck(
+        torch.ops.opforge._conv2d_3x3_backward.default,
+        (g[0], None, x.detach()[0], w.detach(), 1, 1, groups, [True, True, True]),
+    )
+
+
+# --------------------------------------------------------------------------- drop-in for F.conv2d
+
+# (stride, padding) as F.conv2d takes them, with what they mean here.
+DROP_IN_ARGS = [
+    ((1, 1), (1, 1)),
+    ([2, 2], [0, 0]),
+    ((1,), 1),
+    (1, "same"),
+    ((1, 1), "same"),
+    (2, "valid"),
+    (1, "valid"),
+]
+
+
+@pytest.mark.parametrize("stride,padding", DROP_IN_ARGS)
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_drop_in_for_f_conv2d(stride, padding, kind, relu, unbatched, device):
+    """Arguments F.conv2d takes give F.conv2d's result: equal pairs, padding
+    "same" / "valid", an unbatched (C, H, W) x (output (K, Ho, Wo))."""
+    c = 4
+    groups = 1 if kind == "dense" else c
+    x = rand((c, 9, 10) if unbatched else (2, c, 9, 10), torch.float64, device)
+    w, b = rand((6 if kind == "dense" else c, c // groups, 3, 3), torch.float64, device), rand((c,), torch.float64)
+    b = b.to(device) if kind == "depthwise" else rand((6,), torch.float64, device)
+    out = opforge.conv2d_3x3(x, w, b, stride, padding, groups, "relu" if relu else None)
+    ref = F.conv2d(x, w, b, stride, padding, 1, groups)
+    ref = torch.relu(ref) if relu else ref
+    assert out.shape == ref.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref)
+    # the op itself takes them the same way
+    raw = torch.ops.opforge.conv2d_3x3(x, w, b, stride, padding, groups, "relu" if relu else None)
+    torch.testing.assert_close(raw, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_unbatched_gradcheck(kind, relu, stride, device):
+    c = 3
+    groups = 1 if kind == "dense" else c
+    x = rand((c, 6, 7), torch.float64, device).requires_grad_()
+    w = rand((2 if kind == "dense" else c, c // groups, 3, 3), torch.float64, device).requires_grad_()
+    b = rand((w.shape[0],), torch.float64, device).requires_grad_()
+    fn = lambda x, w, b: opforge.conv2d_3x3(x, w, b, stride, 1, groups, "relu" if relu else None)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+    out = fn(x, w, b)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    assert gx.shape == x.shape and gx.is_contiguous()
+
+
+def test_padding_same_gradcheck(device):
+    x = rand((2, 3, 6, 5), torch.float64, device).requires_grad_()
+    w = rand((4, 3, 3, 3), torch.float64, device).requires_grad_()
+    fn = lambda x, w: opforge.conv2d_3x3(x, w, None, (1, 1), "same", activation="relu")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w))
+
+
+def test_no_grad_path_gives_no_graph(device):
+    """Without a graph to record, the result is the kernel's (no grad_fn)."""
+    x, w = rand((1, 4, 8, 8), device=device), rand((4, 4, 3, 3), device=device).requires_grad_()
+    assert opforge.conv2d_3x3(x, w.detach()).grad_fn is None
+    with torch.no_grad():
+        assert opforge.conv2d_3x3(x, w).grad_fn is None
+    assert opforge.conv2d_3x3(x, w).grad_fn is not None
+
+
+def test_create_graph_first_derivatives_work(device):
+    """create_graph=True is fine for first derivatives; only differentiating
+    them again raises."""
+    x = rand((1, 2, 5, 5), torch.float64, device).requires_grad_()
+    w = rand((2, 2, 3, 3), torch.float64, device).requires_grad_()
+    out = opforge.conv2d_3x3(x, w, None, 1, 1)
+    gx, gw = torch.autograd.grad(out.sum(), (x, w), create_graph=True)
+    ref = torch.autograd.grad(F.conv2d(x, w, None, 1, 1).sum(), (x, w))
+    torch.testing.assert_close(gx, ref[0])
+    torch.testing.assert_close(gw, ref[1])
+    with pytest.raises(NotImplementedError, match=r"opforge.conv2d_3x3: double backward .* is not supported"):
+        torch.autograd.grad(gw.sum(), w)
+
+
+def test_compile_drop_in_arguments(device):
+    """Unbatched x, pairs and padding strings under torch.compile(dynamic=True),
+    forward and backward."""
+    torch._dynamo.reset()
+
+    def fn(x, w, b):
+        y = opforge.conv2d_3x3(x, w, b, (1, 1), "same", activation="relu")
+        return opforge.conv2d_3x3(y, w, b, 2, (1, 1))
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    w, b = rand((4, 4, 3, 3), device=device).requires_grad_(), rand((4,), device=device).requires_grad_()
+    for shape in ((4, 9, 9), (4, 12, 10), (2, 4, 9, 9)):
+        x = rand(shape, device=device).requires_grad_()
+        out = compiled(x, w, b)
+        ref = fn(x, w, b)
+        torch.testing.assert_close(out, ref)
+        got = torch.autograd.grad(out.sum(), (x, w, b))
+        want = torch.autograd.grad(ref.sum(), (x, w, b))
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e)
 
 
 class Net(torch.nn.Module):
@@ -745,6 +920,25 @@ def test_from_conv(groups, relu, device):
         opforge.nn.Conv2d3x3.from_conv(torch.nn.Conv2d(2, 2, 3, dilation=2))
     with pytest.raises(TypeError, match=r"must be a torch.nn.Conv2d"):
         opforge.nn.Conv2d3x3.from_conv(torch.nn.Linear(2, 2))
+
+
+def test_module_takes_the_ops_arguments(device):
+    """Conv2d3x3 takes stride and padding as conv2d_3x3 does, and refuses at
+    construction what the op refuses, with the op's message."""
+    layer = opforge.nn.Conv2d3x3(4, 6, stride=(1, 1), padding="same", activation="relu").to(device)
+    x = rand((2, 4, 7, 7), device=device)
+    torch.testing.assert_close(layer(x), torch.relu(F.conv2d(x, layer.weight, layer.bias, 1, "same")))
+    assert layer(x[0]).shape == (6, 7, 7)
+    with pytest.raises(ValueError, match=r"opforge.conv2d_3x3: stride must be 1 or 2, got 3"):
+        opforge.nn.Conv2d3x3(4, 4, stride=3)
+    with pytest.raises(ValueError, match=r"opforge.conv2d_3x3: stride must be an int or a pair of equal ints"):
+        opforge.nn.Conv2d3x3(4, 4, stride=(1, 2))
+    with pytest.raises(ValueError, match=r"groups must be 1 or the number of input channels \(4\), got 2"):
+        opforge.nn.Conv2d3x3(4, 4, groups=2)
+    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
+        opforge.nn.Conv2d3x3(4, 4, activation="gelu")
+    conv = torch.nn.Conv2d(4, 6, 3, padding="same").to(device)
+    torch.testing.assert_close(opforge.nn.Conv2d3x3.from_conv(conv)(x), conv(x), atol=1e-5 * _scale(4), rtol=1e-5)
 
 
 def test_module_trains(device):

@@ -340,12 +340,26 @@ def test_bad_arguments():
         mma_op()(x, w, b, 3, 1, True)
     with pytest.raises(ValueError, match="padding must be 0 or 1, got 2"):
         mma_op()(x, w, b, 1, 2, True)
-    with pytest.raises(ValueError, match=r"w must have shape \(K, 16, 3, 3\)"):
+    with pytest.raises(RuntimeError, match=r"w must have shape \(K, 16, 3, 3\)"):
         mma_op()(x, w[:, :8], b, 1, 1, True)
-    with pytest.raises(ValueError, match=r"bias must have shape \(8\)"):
+    with pytest.raises(RuntimeError, match=r"bias must have shape \(8\)"):
         mma_op()(x, w, b[:4], 1, 1, True)
     with pytest.raises(TypeError, match="w must have x's dtype"):
         mma_op()(x, w.half(), b, 1, 1, True)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_shape_function(channels_last):
+    """The entry's Meta kernel: its checks and output (shape, x's memory format) without a GPU."""
+    x, w, b = make_inputs(2, 16, 9, 7, 8, torch.bfloat16, True, channels_last, device="meta")
+    out = mma_op()(x, w, b, 2, 1, True)
+    assert out.shape == (2, 8, 5, 4) and out.device.type == "meta"
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert out.is_contiguous(memory_format=fmt)
+    with pytest.raises(ValueError, match="stride must be 1 or 2, got 3"):
+        mma_op()(x, w, b, 3, 1, True)
+    with pytest.raises(RuntimeError, match=r"w must have shape \(K, 16, 3, 3\)"):
+        mma_op()(x, w[:, :8], b, 1, 1, True)
 
 
 def test_schema_registered():

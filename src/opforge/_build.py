@@ -42,6 +42,7 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/softmax_avx2.cpp",
         "csrc/cpu/softmax_avx512.cpp",
         "csrc/conv.cpp",
+        "csrc/conv_autograd.cpp",
         "csrc/cpu/conv_cpu.cpp",
         "csrc/cpu/conv_default.cpp",
         "csrc/cpu/conv_avx2.cpp",

@@ -90,10 +90,13 @@ class Conv2d3x3(torch.nn.Module):
     """A 3x3 ``nn.Conv2d`` (optionally followed by ReLU) as one fused op (opforge.conv2d_3x3).
 
     Same parameters and initialisation as ``torch.nn.Conv2d(in_channels,
-    out_channels, 3, stride, padding, groups=groups, bias=bias)``; ``groups``
-    is 1 or ``in_channels`` (depthwise, ``out_channels`` a multiple of it);
-    ``activation`` is None or ``"relu"``. ``Conv2d3x3.from_conv(conv, relu=True)``
-    converts a trained layer (and the ReLU after it)::
+    out_channels, 3, stride, padding, groups=groups, bias=bias)``; ``stride``
+    and ``padding`` as ``conv2d_3x3`` takes them (an int or an equal pair,
+    padding also ``"same"`` / ``"valid"``), ``groups`` 1 or ``in_channels``
+    (depthwise, ``out_channels`` a multiple of it); ``activation`` is None or
+    ``"relu"``. The arguments are checked once, here, by the op's own
+    contract. ``Conv2d3x3.from_conv(conv, relu=True)`` converts a trained
+    layer (and the ReLU after it)::
 
         block = torch.nn.Sequential(conv, torch.nn.ReLU())
         fused = opforge.nn.Conv2d3x3.from_conv(block[0], relu=True)
@@ -103,8 +106,8 @@ class Conv2d3x3(torch.nn.Module):
         self,
         in_channels: int,
         out_channels: int,
-        stride: int = 1,
-        padding: int = 0,
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
         groups: int = 1,
         bias: bool = True,
         activation: str | None = None,
@@ -112,22 +115,16 @@ class Conv2d3x3(torch.nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if groups not in (1, in_channels):
-            raise ValueError(f"Conv2d3x3: groups must be 1 or in_channels ({in_channels}), got {groups}")
-        if out_channels % groups != 0:
-            raise ValueError(f"Conv2d3x3: out_channels ({out_channels}) must be a multiple of groups ({groups})")
-        if stride not in (1, 2):
-            raise ValueError(f"Conv2d3x3: stride must be 1 or 2, got {stride}")
-        if padding not in (0, 1):
-            raise ValueError(f"Conv2d3x3: padding must be 0 or 1, got {padding}")
-        if activation not in (None, "relu"):
-            raise ValueError(f"Conv2d3x3: activation must be None or 'relu', got {activation!r}")
-        self.in_channels, self.out_channels = in_channels, out_channels
-        self.stride, self.padding, self.groups, self.activation = stride, padding, groups, activation
         # Initialised exactly as nn.Conv2d (kaiming_uniform(a=sqrt(5)), bias U(-1/sqrt(fan_in), +)).
         ref = torch.nn.Conv2d(
             in_channels, out_channels, 3, stride, padding, groups=groups, bias=bias, device=device, dtype=dtype
         )
+        # The op's checks on a meta input (nothing is computed): an argument it
+        # refuses is refused now, with its message, rather than at the first call.
+        meta = torch.empty((in_channels, 3, 3), device="meta", dtype=ref.weight.dtype)
+        conv2d_3x3(meta, ref.weight.detach().to("meta"), None, stride, padding, groups, activation)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.stride, self.padding, self.groups, self.activation = stride, padding, groups, activation
         self.weight = ref.weight
         self.bias = ref.bias
 
@@ -136,26 +133,18 @@ class Conv2d3x3(torch.nn.Module):
         """The fused equivalent of ``conv`` (followed by ReLU when ``relu``), sharing its values (copied)."""
         if not isinstance(conv, torch.nn.Conv2d):
             raise TypeError(f"Conv2d3x3.from_conv: conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
-        as_pair = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v, v)  # noqa: E731
         if tuple(conv.kernel_size) != (3, 3):
             raise ValueError(f"Conv2d3x3.from_conv: conv must have a 3x3 kernel, got {tuple(conv.kernel_size)}")
-        stride, padding, dilation = as_pair(conv.stride), conv.padding, as_pair(conv.dilation)
-        if isinstance(padding, str) or stride[0] != stride[1] or len(set(as_pair(padding))) != 1:
-            raise ValueError(
-                f"Conv2d3x3.from_conv: conv needs equal integer stride and padding, got stride "
-                f"{conv.stride} and padding {conv.padding}"
-            )
-        if dilation != (1, 1) or conv.padding_mode != "zeros":
+        if tuple(conv.dilation) != (1, 1) or conv.padding_mode != "zeros":
             raise ValueError(
                 f"Conv2d3x3.from_conv: conv needs dilation 1 and zero padding, got dilation "
                 f"{conv.dilation} and padding_mode {conv.padding_mode!r}"
             )
-        padding = as_pair(padding)[0]
         layer = cls(
             conv.in_channels,
             conv.out_channels,
-            stride[0],
-            padding,
+            tuple(conv.stride),
+            conv.padding if isinstance(conv.padding, str) else tuple(conv.padding),
             conv.groups,
             conv.bias is not None,
             "relu" if relu else None,

@@ -1,19 +1,30 @@
-// The conv family's home: its schemas, and the device-neutral part of its
-// kernels (the ReLU mask and the backward through ATen, which the CPU and
-// CUDA entries, cpu/conv_cpu.cpp and cuda/conv.cu, both fall back to).
-// Python wrapper, fake kernels and autograd: ops/conv.py.
+// The conv family's home: its schemas, shape functions, the padding-string
+// overload, and the device-neutral part of its kernels (the ReLU mask and the
+// backward through ATen, which the CPU and CUDA entries, cpu/conv_cpu.cpp
+// and cuda/conv.cu, both fall back to). Autograd: conv_autograd.cpp; the one
+// argument check: conv.h check_conv_args.
 #include <ATen/Functions.h>
 #include <torch/library.h>
 
 #include <tuple>
 #include <vector>
 
+#include <opforge/ops.h>
+
 #include "conv.h"
+#include "cuda/conv_dense_mma.h"
 
 TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // act(conv3x3(x, weight) + bias) with the bias and ReLU fused into the
-  // convolution's write; groups is 1 (dense) or C (depthwise).
-  m.def("conv2d_3x3(Tensor x, Tensor weight, Tensor? bias, int stride, int padding, int groups, bool relu) -> Tensor");
+  // convolution's write; groups is 1 (dense) or C (depthwise). F.conv2d's
+  // arguments: stride and padding an int or an equal pair, x batched or not.
+  m.def(
+      "conv2d_3x3(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, int[2] padding=0, int groups=1, "
+      "str? activation=None) -> Tensor");
+  // padding "same" (1: stride 1 only, as in F.conv2d) or "valid" (0).
+  m.def(
+      "conv2d_3x3.padding(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, str padding=\"valid\", "
+      "int groups=1, str? activation=None) -> Tensor");
   // Gradients of conv2d_3x3. `result` is the forward's output when relu was
   // fused (the mask result > 0 is applied to grad_out inside), None otherwise.
   // Entries of output_mask that are False come back as empty (0,) tensors.
@@ -41,7 +52,7 @@ at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result
 // The backward through ATen's convolution_backward on the (masked) gradient;
 // used by the CPU, and by CUDA for the dense case without a bias gradient.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tensor& grad_out,
-                                                                 const c10::optional<at::Tensor>& result,
+                                                                 const std::optional<at::Tensor>& result,
                                                                  const at::Tensor& x, const at::Tensor& w,
                                                                  const Geometry& g, std::array<bool, 3> mask) {
   const at::Tensor g_m = (result.has_value() && result->defined()) ? relu_masked_grad(grad_out, *result) : grad_out;
@@ -52,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
   if (x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16) && x.numel() > 0 && g_m.numel() > 0) {
     // oneDNN's half-precision CPU backward rounds partial sums; compute in
     // float32 and round once, as the forward does.
-    auto r = backward_via_aten(g_m.to(at::kFloat), c10::nullopt, x.to(at::kFloat), w.to(at::kFloat), g, mask);
+    auto r = backward_via_aten(g_m.to(at::kFloat), std::nullopt, x.to(at::kFloat), w.to(at::kFloat), g, mask);
     return {std::get<0>(r).to(dtype), std::get<1>(r).to(dtype), std::get<2>(r).to(dtype)};
   }
   if (x.numel() == 0 || g_m.numel() == 0) {
@@ -65,9 +76,73 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
         at::convolution_backward(g_m, x, w, at::OptionalIntArrayRef(bias_sizes), {g.stride, g.stride}, {g.pad, g.pad},
                                  {1, 1}, false, {0, 0}, g.groups, mask);
   }
-  // Layouts as the fake kernel states: grad x in x's format, grad weight contiguous.
+  // Layouts as the shape function states: grad x in x's format, grad weight contiguous.
   return {mask[0] ? gx.contiguous(out_format(x)) : empty(), mask[1] ? gw.contiguous() : empty(),
           mask[2] ? gb.contiguous() : empty()};
 }
 
 }  // namespace opforge::conv
+
+namespace {
+
+using opforge::conv::kBwdOp;
+using opforge::conv::kOp;
+
+// ------------------------------------------------------------ shape functions
+
+// (N, K_out, Ho, Wo) in x's memory format, as the kernels allocate it; an
+// unbatched x gives (K_out, Ho, Wo), contiguous.
+at::Tensor conv2d_3x3_meta(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                           c10::IntArrayRef stride, c10::IntArrayRef padding, int64_t groups,
+                           std::optional<std::string_view> activation) {
+  bool relu = false;
+  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, relu);
+  return at::empty_symint(opforge::conv::out_sizes(s), x.options().memory_format(opforge::conv::out_format(x)));
+}
+
+// grad x in x's format, grad weight contiguous, grad bias (K,); entries
+// masked out are (0,) tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_meta(const at::Tensor& grad_out,
+                                                                        const std::optional<at::Tensor>& result,
+                                                                        const at::Tensor& x, const at::Tensor& w,
+                                                                        int64_t stride, int64_t padding, int64_t groups,
+                                                                        std::array<bool, 3> mask) {
+  const auto s = opforge::conv::check_conv_args(kBwdOp, x, w, std::nullopt, stride, padding, groups);
+  opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, s);
+  auto empty = [&] { return at::empty({0}, x.options()); };
+  return {mask[0] ? at::empty_symint(x.sym_sizes(), x.options().memory_format(opforge::conv::out_format(x))) : empty(),
+          mask[1] ? at::empty_symint(w.sym_sizes(), w.options()) : empty(),
+          mask[2] ? at::empty_symint({s.K}, x.options()) : empty()};
+}
+
+// --------------------------------------------------------- padding strings
+
+// "same" / "valid" as the padding they mean for a 3x3 kernel, then the int
+// overload (its autograd and shape function, under torch.compile too).
+at::Tensor conv2d_3x3_padding(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                              c10::IntArrayRef stride, std::string_view padding, int64_t groups,
+                              std::optional<std::string_view> activation) {
+  const int64_t p = opforge::conv::padding_from_string(kOp, padding, opforge::conv::check_pair(kOp, "stride", stride));
+  return opforge::conv2d_3x3(x, w, bias, stride, std::array<int64_t, 2>{p, p}, groups, activation);
+}
+
+// ------------------------------------------------------- benchmark entry
+
+// The tensor-core kernel's entry allocates (N, K, Ho, Wo) in x's suggested
+// memory format (cuda/conv_dense_mma.cu).
+at::Tensor conv_dense_mma_meta(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                               int64_t stride, int64_t padding, bool /*relu*/) {
+  return at::empty_symint(opforge::conv::check_dense_mma_args(x, w, bias, stride, padding),
+                          x.options().memory_format(opforge::conv::out_format(x)));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, CompositeImplicitAutograd, m) { m.impl("conv2d_3x3.padding", &conv2d_3x3_padding); }
+
+TORCH_LIBRARY_IMPL(opforge, Meta, m) {
+  m.impl("conv2d_3x3", &conv2d_3x3_meta);
+  m.impl("_conv2d_3x3_backward", &conv2d_3x3_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(opforge_bench, Meta, m) { m.impl("conv_dense_mma", &conv_dense_mma_meta); }

@@ -43,8 +43,8 @@ namespace {
 using opforge::conv::Geometry;
 using opforge::cuda::AlignedVec;
 
-constexpr const char* kOp = "opforge.conv2d_3x3";
-constexpr const char* kBwdOp = "opforge._conv2d_3x3_backward";
+using opforge::conv::kBwdOp;
+using opforge::conv::kOp;
 constexpr int kThreads = 256;
 
 // y = act(y + bias[channel]) in place over (N, K, Ho, Wo) stored NCHW (channel
@@ -149,11 +149,7 @@ std::optional<at::Tensor> cudnn_conv_bias_relu(const at::Tensor& x, const at::Te
   }
 }
 
-at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias_in,
-                           int64_t stride, int64_t padding, int64_t groups, bool relu) {
-  const Geometry g = opforge::conv::check_conv_args(kOp, x_in, w_in, bias_in, stride, padding, groups);
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  const auto o = opforge::conv::forward_operands(x_in, w_in, bias_in);
+at::Tensor forward_cuda(const opforge::conv::ForwardOperands& o, const Geometry& g, bool relu) {
   const at::MemoryFormat fmt = o.fmt;
   const bool nhwc = o.nhwc;
   const at::Tensor &x = o.x, &w = o.w, &bias = o.bias;
@@ -163,6 +159,7 @@ at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const
     opforge::conv::depthwise_forward_cuda(x, w, bias, relu, out, g, nhwc);
     return out;
   }
+  const int64_t stride = g.stride, padding = g.pad;
   if (prefer_cudnn_fused() && x.scalar_type() != at::kDouble) {
     if (relu) {
       if (auto y = cudnn_conv_bias_relu(x, w, bias, stride, padding, fmt)) return *y;
@@ -175,10 +172,21 @@ at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const
   }
   if (opforge::conv::conv3x3_dense_forward_mma(x, w, bias, stride, padding, relu, out)) return out;
   // Fallback: cuDNN, then one fused bias + ReLU pass.
-  at::Tensor y = at::convolution(x, w, c10::nullopt, {stride, stride}, {padding, padding}, {1, 1}, false, {0, 0}, 1);
+  at::Tensor y = at::convolution(x, w, std::nullopt, {stride, stride}, {padding, padding}, {1, 1}, false, {0, 0}, 1);
   if (!y.is_contiguous(fmt)) y = y.contiguous(fmt);
   if (bias.defined() || relu) bias_act_cuda(y, bias, relu, nhwc, g);
   return y;
+}
+
+at::Tensor conv2d_3x3_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                           c10::IntArrayRef stride, c10::IntArrayRef padding, int64_t groups,
+                           std::optional<std::string_view> activation) {
+  bool relu = false;
+  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, relu);
+  const Geometry g = opforge::conv::geometry(s);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return opforge::conv::unbatch(forward_cuda(opforge::conv::forward_operands(x, w, bias, s.unbatched), g, relu),
+                                s.unbatched);
 }
 
 // Dense backward: the masked gradient and grad bias from one pass over
@@ -187,13 +195,16 @@ at::Tensor conv2d_3x3_cuda(const at::Tensor& x_in, const at::Tensor& w_in, const
 // ATen, ran at a sixth of the H200's bandwidth). Without a bias gradient to
 // compute, or with nothing to read, ATen's path is as good.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& grad_out,
-                                                              const c10::optional<at::Tensor>& result,
+                                                              const std::optional<at::Tensor>& result,
                                                               const at::Tensor& x_in, const at::Tensor& w_in,
-                                                              const Geometry& g, std::array<bool, 3> mask) {
+                                                              const Geometry& g, bool unbatched,
+                                                              std::array<bool, 3> mask) {
   if (!mask[2] || grad_out.numel() == 0 || x_in.numel() == 0) {
-    return opforge::conv::backward_via_aten(grad_out, result, x_in, w_in, g, mask);
+    return opforge::conv::backward_via_aten(opforge::conv::batched(grad_out, unbatched),
+                                            opforge::conv::batched(result, unbatched),
+                                            opforge::conv::batched(x_in, unbatched), w_in, g, mask);
   }
-  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
+  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in, unbatched);
   const bool conv_grads = mask[0] || mask[1];
   at::Tensor masked = o.result.defined() && conv_grads
                           ? at::empty(o.grad_out.sizes(), o.grad_out.options().memory_format(o.fmt))
@@ -204,22 +215,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& 
   if (!conv_grads) return {empty(), empty(), gb};
   at::Tensor gx, gw;
   std::tie(gx, gw, std::ignore) =
-      at::convolution_backward(o.result.defined() ? masked : o.grad_out, o.x, o.w, c10::nullopt, {g.stride, g.stride},
+      at::convolution_backward(o.result.defined() ? masked : o.grad_out, o.x, o.w, std::nullopt, {g.stride, g.stride},
                                {g.pad, g.pad}, {1, 1}, false, {0, 0}, 1, {mask[0], mask[1], false});
-  // Layouts as the fake kernel states: grad x in x's format, grad weight contiguous.
+  // Layouts as the shape function states: grad x in x's format, grad weight contiguous.
   return {mask[0] ? gx.contiguous(o.fmt) : empty(), mask[1] ? gw.contiguous() : empty(), gb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(const at::Tensor& grad_out,
-                                                                        const c10::optional<at::Tensor>& result,
-                                                                        const at::Tensor& x_in, const at::Tensor& w_in,
-                                                                        int64_t stride, int64_t padding, int64_t groups,
-                                                                        std::array<bool, 3> mask) {
-  const Geometry g = opforge::conv::check_conv_args(kBwdOp, x_in, w_in, c10::nullopt, stride, padding, groups);
-  opforge::conv::check_backward_args(kBwdOp, grad_out, result, x_in, g);
-  const c10::cuda::CUDAGuard guard(x_in.device());
-  if (!g.depthwise) return dense_backward(grad_out, result, x_in, w_in, g, mask);
-  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward(const at::Tensor& grad_out,
+                                                                  const std::optional<at::Tensor>& result,
+                                                                  const at::Tensor& x_in, const at::Tensor& w_in,
+                                                                  const Geometry& g, bool unbatched,
+                                                                  std::array<bool, 3> mask) {
+  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in, unbatched);
   const at::MemoryFormat fmt = o.fmt;
   const bool nhwc = o.nhwc;
   const at::Tensor &x = o.x, &w = o.w, &go = o.grad_out, &res = o.result;
@@ -236,6 +243,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(const at
     opforge::conv::depthwise_backward_cuda(go, res, x, w, gx_out, gw, gb, g, nhwc);
   }
   return {gx, mask[1] ? gw : empty(), mask[2] ? gb : empty()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(const at::Tensor& grad_out,
+                                                                        const std::optional<at::Tensor>& result,
+                                                                        const at::Tensor& x, const at::Tensor& w,
+                                                                        int64_t stride, int64_t padding, int64_t groups,
+                                                                        std::array<bool, 3> mask) {
+  const auto s = opforge::conv::check_conv_args(kBwdOp, x, w, std::nullopt, stride, padding, groups);
+  opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, s);
+  const Geometry g = opforge::conv::geometry(s);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor gx, gw, gb;
+  std::tie(gx, gw, gb) = g.depthwise ? depthwise_backward(grad_out, result, x, w, g, s.unbatched, mask)
+                                     : dense_backward(grad_out, result, x, w, g, s.unbatched, mask);
+  return {opforge::conv::unbatch(gx, s.unbatched), gw, gb};
 }
 
 }  // namespace

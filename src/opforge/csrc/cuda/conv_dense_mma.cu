@@ -648,40 +648,17 @@ namespace {
 at::Tensor conv3x3_dense_mma_entry(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                    int64_t stride, int64_t padding, bool relu) {
   constexpr const char* op = "opforge_bench.conv_dense_mma";
-  opforge::check_float_tensor(x, op, "x");
-  opforge::check_float_tensor(w, op, "w");
-  opforge::check_dim(x, 4, op, "x");
-  opforge::check_dim(w, 4, op, "w");
-  opforge::check_same_device(x, "x", w, "w", op);
-  TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), op, ": w must have x's dtype ", x.scalar_type(), ", got ",
-                   w.scalar_type());
-  TORCH_CHECK_VALUE(w.size(1) == x.size(1) && w.size(2) == 3 && w.size(3) == 3, op, ": w must have shape (K, ",
-                    opforge::num(x.size(1)), ", 3, 3), got ", opforge::shape(w.sizes()));
-  TORCH_CHECK_VALUE(stride == 1 || stride == 2, op, ": stride must be 1 or 2, got ", opforge::num(stride));
-  TORCH_CHECK_VALUE(padding == 0 || padding == 1, op, ": padding must be 0 or 1, got ", opforge::num(padding));
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = *bias;
-    opforge::check_same_device(x, "x", b, "bias", op);
-    TORCH_CHECK_TYPE(b.scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ", x.scalar_type(), ", got ",
-                     b.scalar_type());
-    TORCH_CHECK_VALUE(b.dim() == 1 && b.size(0) == w.size(0), op, ": bias must have shape (", opforge::num(w.size(0)),
-                      "), got ", opforge::shape(b.sizes()));
-  }
-  const int64_t H = x.size(2), W = x.size(3);
-  TORCH_CHECK_VALUE(H + 2 * padding >= 3 && W + 2 * padding >= 3, op,
-                    ": x's spatial size plus padding must be at least 3x3, got ", opforge::num(H), "x", opforge::num(W),
-                    " with padding ", opforge::num(padding));
-  const int64_t Ho = (H + 2 * padding - 3) / stride + 1;
-  const int64_t Wo = (W + 2 * padding - 3) / stride + 1;
+  // The checks and the output's shape, shared with the shape function (conv.cpp).
+  const std::vector<c10::SymInt> sizes = opforge::conv::check_dense_mma_args(x, w, bias, stride, padding);
+  const at::Tensor b = bias.has_value() && bias->defined() ? *bias : at::Tensor();
 
   const c10::cuda::CUDAGuard guard(x.device());
   const auto fmt = x.suggest_memory_format() == at::MemoryFormat::ChannelsLast ? at::MemoryFormat::ChannelsLast
                                                                                : at::MemoryFormat::Contiguous;
-  at::Tensor out = at::empty({x.size(0), w.size(0), Ho, Wo}, x.options().memory_format(fmt));
+  at::Tensor out = at::empty_symint(sizes, x.options().memory_format(fmt));
   if (out.numel() == 0) return out;
   const bool done = opforge::conv::conv3x3_dense_forward_mma(x, w, b, stride, padding, relu, out);
-  TORCH_CHECK(done, op, ": the tensor-core path declines this case (dtype ", x.scalar_type(),
+  TORCH_CHECK(done, op, ": the tensor-core path declines this case (dtype ", opforge::dtype_name(x.scalar_type()),
               ", C=", opforge::num(x.size(1)),
               "; it needs bfloat16/float16 with C % 8 == 0, or float32 with C % 4 == 0 and TF32 allowed for "
               "cuDNN convolutions, on sm_80 or newer)");
