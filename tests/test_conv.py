@@ -809,6 +809,38 @@ def test_unbatched_gradcheck(kind, relu, stride, device):
     assert gx.shape == x.shape and gx.is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["dense", "depthwise"])
+def test_backward_op_strided_operands(dtype, kind, device):
+    """grad_out and result of any strides give the bits their contiguous
+    copies give (an expanded gradient, a transposed view); an unbatched x
+    that is not contiguous gets a contiguous gradient, F.conv2d's."""
+    groups = 1 if kind == "dense" else 4
+    x, w = rand((2, 4, 7, 6), dtype, device), rand((4, 4 // groups, 3, 3), dtype, device)
+    out = opforge.conv2d_3x3(x, w, None, 1, 1, groups, "relu")
+    g = rand((4, 2, 7, 6), dtype, device).transpose(0, 1)
+    r = out.transpose(0, 1).contiguous().transpose(0, 1)
+    bwd = torch.ops.opforge._conv2d_3x3_backward
+    got = bwd(g, r, x, w, 1, 1, groups, [True] * 3)
+    want = bwd(g.contiguous(), out, x, w, 1, 1, groups, [True] * 3)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    ones = torch.ones((), dtype=dtype, device=device).expand(out.shape)
+    for a, b in zip(
+        bwd(ones, out, x, w, 1, 1, groups, [True] * 3), bwd(ones.contiguous(), out, x, w, 1, 1, groups, [True] * 3)
+    ):
+        assert torch.equal(a, b)
+    xu = rand((6, 7, 4), torch.float64, device).permute(2, 0, 1).requires_grad_()
+    wd = w.double().detach().requires_grad_()
+    gu = rand((4, 6, 7), torch.float64, device)
+    gx = bwd(gu, None, xu.detach(), wd.detach(), 1, 1, groups, [True] * 3)[0]
+    assert gx.shape == xu.shape and gx.is_contiguous()
+    got = torch.autograd.grad(opforge.conv2d_3x3(xu, wd, None, 1, 1, groups), (xu, wd), gu)
+    want = torch.autograd.grad(F.conv2d(xu, wd, None, 1, 1, 1, groups), (xu, wd), gu)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 def test_padding_same_gradcheck(device):
     x = rand((2, 3, 6, 5), torch.float64, device).requires_grad_()
     w = rand((4, 3, 3, 3), torch.float64, device).requires_grad_()

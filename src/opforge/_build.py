@@ -44,6 +44,7 @@ SOURCES = extension.SourceSet(
         "csrc/conv.cpp",
         "csrc/conv_autograd.cpp",
         "csrc/cpu/conv_cpu.cpp",
+        "csrc/cpu/conv_dense_cpu.cpp",
         "csrc/cpu/conv_default.cpp",
         "csrc/cpu/conv_avx2.cpp",
         "csrc/cpu/conv_avx512.cpp",
