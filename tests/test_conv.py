@@ -809,13 +809,21 @@ def test_unbatched_gradcheck(kind, relu, stride, device):
     assert gx.shape == x.shape and gx.is_contiguous()
 
 
+def _close_enough(a, b) -> bool:
+    torch.testing.assert_close(a, b)  # the dtype's default tolerance
+    return True
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["dense", "depthwise"])
 def test_backward_op_strided_operands(dtype, kind, device):
     """grad_out and result of any strides give the bits their contiguous
     copies give (an expanded gradient, a transposed view); an unbatched x
-    that is not contiguous gets a contiguous gradient, F.conv2d's."""
+    that is not contiguous gets a contiguous gradient, F.conv2d's. The dense
+    CUDA backward is cuDNN's, whose algorithm (and rounding) may follow the
+    operands' strides: there the results agree within the dtype's tolerance."""
     groups = 1 if kind == "dense" else 4
+    same = torch.equal if not (device == "cuda" and kind == "dense") else _close_enough
     x, w = rand((2, 4, 7, 6), dtype, device), rand((4, 4 // groups, 3, 3), dtype, device)
     out = opforge.conv2d_3x3(x, w, None, 1, 1, groups, "relu")
     g = rand((4, 2, 7, 6), dtype, device).transpose(0, 1)
@@ -824,12 +832,12 @@ def test_backward_op_strided_operands(dtype, kind, device):
     got = bwd(g, r, x, w, 1, 1, groups, [True] * 3)
     want = bwd(g.contiguous(), out, x, w, 1, 1, groups, [True] * 3)
     for a, b in zip(got, want):
-        assert torch.equal(a, b)
+        assert same(a, b)
     ones = torch.ones((), dtype=dtype, device=device).expand(out.shape)
     for a, b in zip(
         bwd(ones, out, x, w, 1, 1, groups, [True] * 3), bwd(ones.contiguous(), out, x, w, 1, 1, groups, [True] * 3)
     ):
-        assert torch.equal(a, b)
+        assert same(a, b)
     xu = rand((6, 7, 4), torch.float64, device).permute(2, 0, 1).requires_grad_()
     wd = w.double().detach().requires_grad_()
     gu = rand((4, 6, 7), torch.float64, device)
