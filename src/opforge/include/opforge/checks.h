@@ -92,8 +92,8 @@ inline void check_float_tensor(const at::Tensor& t, const char* op, const char* 
 // RuntimeError, as torch's own ops raise for tensors on different devices.
 inline void check_same_device(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
                               const char* op) {
-  TORCH_CHECK(a.device() == b.device(), op, ": ", a_name, " and ", b_name, " must be on the same device, got ",
-                    a_name, " on ", a.device(), " and ", b_name, " on ", b.device());
+  TORCH_CHECK(a.device() == b.device(), op, ": ", a_name, " and ", b_name, " must be on the same device, got ", a_name,
+              " on ", a.device(), " and ", b_name, " on ", b.device());
 }
 
 inline void check_dim(const at::Tensor& t, int64_t dim, const char* op, const char* name) {
@@ -111,8 +111,8 @@ inline void check_same_dtype(const at::Tensor& a, const char* a_name, const at::
 // `b` must have the same shape as `a` (no broadcasting).
 inline void check_same_shape(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name,
                              const char* op) {
-  TORCH_CHECK(a.sym_sizes().equals(b.sym_sizes()), op, ": ", a_name, " and ", b_name,
-              " must have the same shape, got ", shape(a.sym_sizes()), " and ", shape(b.sym_sizes()));
+  TORCH_CHECK(a.sym_sizes().equals(b.sym_sizes()), op, ": ", a_name, " and ", b_name, " must have the same shape, got ",
+              shape(a.sym_sizes()), " and ", shape(b.sym_sizes()));
 }
 
 }  // namespace opforge

@@ -33,7 +33,7 @@ c10::TypedOperatorHandle<Signature> op(const char* name, const char* overload = 
 
 }  // namespace detail
 
-#define OPFORGE_OP_HANDLE(name, overload, ...)                                  \
+#define OPFORGE_OP_HANDLE(name, overload, ...)                                    \
   static const auto handle = detail::op<__VA_ARGS__>("opforge::" name, overload); \
   return handle
 
@@ -119,8 +119,8 @@ inline at::Tensor conv2d_3x3(const at::Tensor& x, const at::Tensor& weight, cons
 // Gradients (x, weight, bias) of conv2d_3x3; `result` is the forward's output
 // when ReLU was fused. Entries of output_mask that are false come back empty.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> _conv2d_3x3_backward(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& result, const at::Tensor& x,
-    const at::Tensor& weight, int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> output_mask) {
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& result, const at::Tensor& x, const at::Tensor& weight,
+    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> output_mask) {
   OPFORGE_OP_HANDLE("_conv2d_3x3_backward", "",
                     std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
                                                                    const at::Tensor&, const at::Tensor&, int64_t,
@@ -134,9 +134,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> _conv2d_3x3_backward(
 inline at::Tensor nms(const at::Tensor& boxes, const at::Tensor& scores, double iou_threshold,
                       std::optional<double> score_threshold = std::nullopt,
                       std::optional<int64_t> max_output = std::nullopt) {
-  OPFORGE_OP_HANDLE("nms", "",
-                    at::Tensor(const at::Tensor&, const at::Tensor&, double, std::optional<double>,
-                               std::optional<int64_t>))
+  OPFORGE_OP_HANDLE(
+      "nms", "",
+      at::Tensor(const at::Tensor&, const at::Tensor&, double, std::optional<double>, std::optional<int64_t>))
       .call(boxes, scores, iou_threshold, score_threshold, max_output);
 }
 
