@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .models import MODELS, PROVIDERS
+from .models_spec import MODELS, PROVIDERS
 
 NAME = "models"
 
