@@ -386,9 +386,13 @@ def test_errors(fn):
         call(x, w, stride=2, padding="same")
     with pytest.raises(ValueError, match=r"stride must be an int or a pair of equal ints .* got \[2, 1\]"):
         call(x, w, stride=(2, 1), padding="same")
-    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
+    with pytest.raises(
+        ValueError, match=r"activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', got 'gelu'"
+    ):
         call(x, w, activation="gelu")
-    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
+    with pytest.raises(
+        ValueError, match=r"activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', got 'gelu'"
+    ):
         call(x, w, padding="same", activation="gelu")
     with pytest.raises(
         TypeError, match=r"x and weight must have the same dtype, got x torch.float32 and weight torch.float64"
@@ -975,7 +979,9 @@ def test_module_takes_the_ops_arguments(device):
         opforge.nn.Conv2d3x3(4, 4, stride=(1, 2))
     with pytest.raises(ValueError, match=r"groups must be 1 or the number of input channels \(4\), got 2"):
         opforge.nn.Conv2d3x3(4, 4, groups=2)
-    with pytest.raises(ValueError, match=r"activation must be None or 'relu', got 'gelu'"):
+    with pytest.raises(
+        ValueError, match=r"activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', got 'gelu'"
+    ):
         opforge.nn.Conv2d3x3(4, 4, activation="gelu")
     conv = torch.nn.Conv2d(4, 6, 3, padding="same").to(device)
     torch.testing.assert_close(opforge.nn.Conv2d3x3.from_conv(conv)(x), conv(x), atol=1e-5 * _scale(4), rtol=1e-5)

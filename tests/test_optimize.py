@@ -30,7 +30,10 @@ def test_fold_math_is_exact_in_float64():
     torch.testing.assert_close(got, expected, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_small", "resnet18"])
+MODELS = ["mobilenet_v2", "mobilenet_v3_large", "mobilenet_v3_small", "resnet18", "resnet50"]
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_eval_model_keeps_its_outputs(name):
     model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=10)).eval()
     x = torch.randn(2, 3, 64, 64)
@@ -42,6 +45,61 @@ def test_eval_model_keeps_its_outputs(name):
     assert folded, str(report)
     n_bn = sum(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules())
     assert n_bn == sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) - len(folded)
+
+
+# The activation each model's 3x3 blocks end with, fused when forced.
+FUSED = {
+    "mobilenet_v2": "relu6",
+    "mobilenet_v3_large": "hardswish",
+    "mobilenet_v3_small": "hardswish",
+    "resnet18": None,
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_forced_replacement_keeps_outputs(name):
+    """Every 3x3 conv opforge has a kernel for runs opforge's fused kernel: same outputs."""
+    model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=10)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    fast, report = opforge.optimize(model, report=True, force=True)
+    ours = [m for m in fast.modules() if isinstance(m, opforge.nn.Conv2d3x3)]
+    n3x3 = sum(isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3) for m in model.modules())
+    assert len(ours) == n3x3, str(report)
+    if FUSED[name]:
+        assert any(m.activation == FUSED[name] for m in ours), str(report)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules())
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(fast(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+
+
+@pytest.mark.parametrize("act", [torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardswish, torch.nn.SiLU])
+def test_training_fuses_activation_and_trains_the_same(act):
+    """In training mode conv + activation (no BatchNorm between) fuse, forward and backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), act(), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8), act()
+    ).train()
+    fast, report = opforge.optimize(model, report=True, force=True)
+    assert [type(m) for m in fast] == [opforge.nn.Conv2d3x3, torch.nn.Identity] * 2, str(report)
+    assert all(f"{act.__name__} fused" in r.action for r in report.layers), str(report)
+    x = torch.randn(2, 3, 16, 16)
+    for m in (model, fast):
+        torch.optim.SGD(m.parameters(), lr=0.1).zero_grad()
+        m(x).square().mean().backward()
+    for p, q in zip(model.parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_optimized_model_exports():
+    model = randomize_batchnorm(torchvision.models.mobilenet_v3_small(num_classes=10)).eval()
+    fast = opforge.optimize(model, force=True)
+    x = torch.randn(2, 3, 64, 64)
+    ep = torch.export.export(fast, (x,))
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("opforge.conv2d_3x3" in o for o in ops), ops
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), fast(x))
 
 
 def test_without_example_inputs_no_conv_is_swapped():

@@ -87,19 +87,20 @@ class ScaledMaskedSoftmax(torch.nn.Module):
 
 
 class Conv2d3x3(torch.nn.Module):
-    """A 3x3 ``nn.Conv2d`` (optionally followed by ReLU) as one fused op (opforge.conv2d_3x3).
+    """A 3x3 ``nn.Conv2d`` (optionally followed by an activation) as one fused op (opforge.conv2d_3x3).
 
     Same parameters and initialisation as ``torch.nn.Conv2d(in_channels,
     out_channels, 3, stride, padding, groups=groups, bias=bias)``; ``stride``
     and ``padding`` as ``conv2d_3x3`` takes them (an int or an equal pair,
     padding also ``"same"`` / ``"valid"``), ``groups`` 1 or ``in_channels``
-    (depthwise, ``out_channels`` a multiple of it); ``activation`` is None or
-    ``"relu"``. The arguments are checked once, here, by the op's own
-    contract. ``Conv2d3x3.from_conv(conv, relu=True)`` converts a trained
-    layer (and the ReLU after it)::
+    (depthwise, ``out_channels`` a multiple of it); ``activation`` is None,
+    ``"relu"``, ``"relu6"``, ``"hardswish"`` or ``"silu"``. The arguments are
+    checked once, here, by the op's own contract.
+    ``Conv2d3x3.from_conv(conv, activation="relu6")`` converts a trained layer
+    (and the activation after it), keeping its parameters' memory format::
 
-        block = torch.nn.Sequential(conv, torch.nn.ReLU())
-        fused = opforge.nn.Conv2d3x3.from_conv(block[0], relu=True)
+        block = torch.nn.Sequential(conv, torch.nn.ReLU6())
+        fused = opforge.nn.Conv2d3x3.from_conv(block[0], activation="relu6")
     """
 
     def __init__(
@@ -129,8 +130,13 @@ class Conv2d3x3(torch.nn.Module):
         self.bias = ref.bias
 
     @classmethod
-    def from_conv(cls, conv: torch.nn.Conv2d, relu: bool = False) -> Conv2d3x3:
-        """The fused equivalent of ``conv`` (followed by ReLU when ``relu``), sharing its values (copied)."""
+    def from_conv(cls, conv: torch.nn.Conv2d, relu: bool = False, activation: str | None = None) -> Conv2d3x3:
+        """The fused equivalent of ``conv`` followed by ``activation`` (``relu=True``: ``"relu"``).
+
+        The values are copied into parameters of the same dtype, device and
+        memory format as ``conv``'s."""
+        if relu and activation not in (None, "relu"):
+            raise ValueError(f"Conv2d3x3.from_conv: relu=True contradicts activation={activation!r}")
         if not isinstance(conv, torch.nn.Conv2d):
             raise TypeError(f"Conv2d3x3.from_conv: conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
         if tuple(conv.kernel_size) != (3, 3):
@@ -147,12 +153,12 @@ class Conv2d3x3(torch.nn.Module):
             conv.padding if isinstance(conv.padding, str) else tuple(conv.padding),
             conv.groups,
             conv.bias is not None,
-            "relu" if relu else None,
+            "relu" if relu else activation,
             device=conv.weight.device,
             dtype=conv.weight.dtype,
         )
         with torch.no_grad():
-            layer.weight.copy_(conv.weight)
+            layer.weight = torch.nn.Parameter(conv.weight.detach().clone(), conv.weight.requires_grad)
             if conv.bias is not None:
                 layer.bias.copy_(conv.bias)
         return layer

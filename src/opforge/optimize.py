@@ -8,12 +8,15 @@ trace):
   conv's weight and bias (any conv: folding removes a pass over memory at no
   cost) and becomes ``nn.Identity``. Training mode never folds.
 - a 3x3 conv opforge supports (dense or depthwise, stride 1 or 2, padding 0
-  or 1, dilation 1, zero padding), with the ReLU after it: one
+  or 1, dilation 1, zero padding), with the activation after it (ReLU,
+  ReLU6, Hardswish, SiLU; any other is left as it is): one
   ``opforge.nn.Conv2d3x3`` with the activation fused, **only where it is
   faster** than what it replaces on the layer's own input. That is measured:
   pass ``example_inputs`` (one batch, as the model is called) and each such
   layer is timed both ways on the shape it sees; without them no conv is
-  swapped, and the report says so.
+  swapped, and the report says so. ``force=True`` swaps every such layer
+  without timing it: the outputs are the same, the speed is not chosen (for
+  checking a model's numerics under opforge's kernels, or measuring them).
 
 The result is a copy (``inplace=True`` changes ``model`` itself) of the same
 type; ``report=True`` also returns an :class:`OptimizeReport` saying, layer
@@ -31,7 +34,13 @@ from .optimize_choice import ConvCandidate, faster_with_opforge
 from .optimize_fold import folded_conv
 from .optimize_patterns import Chain, find_chains
 
-_FUSABLE_ACTIVATIONS = (torch.nn.ReLU,)
+# The activation modules conv2d_3x3 fuses, by its name for them.
+_FUSABLE_ACTIVATIONS = {
+    torch.nn.ReLU: "relu",
+    torch.nn.ReLU6: "relu6",
+    torch.nn.Hardswish: "hardswish",
+    torch.nn.SiLU: "silu",
+}
 
 
 @dataclasses.dataclass
@@ -59,6 +68,7 @@ def optimize(
     example_inputs: tuple | None = None,
     inplace: bool = False,
     report: bool = False,
+    force: bool = False,
 ):
     """``model`` with every pattern opforge accelerates replaced (see the module's docs).
 
@@ -73,12 +83,12 @@ def optimize(
         raise TypeError(f"opforge.optimize: model must be a torch.nn.Module, got {type(model).__name__}")
     out = model if inplace else copy.deepcopy(model)
     chains = find_chains(out)
-    inputs = _conv_inputs(out, chains, example_inputs) if example_inputs is not None else {}
-    layers = [_apply(out, chain, inputs.get(chain.conv), example_inputs is not None) for chain in chains]
+    inputs = _conv_inputs(out, chains, example_inputs) if example_inputs is not None and not force else {}
+    layers = [_apply(out, chain, inputs.get(chain.conv), example_inputs is not None, force) for chain in chains]
     return (out, OptimizeReport(layers)) if report else out
 
 
-def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measured: bool) -> LayerReport:
+def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measured: bool, force: bool) -> LayerReport:
     conv = model.get_submodule(chain.conv)
     bn = model.get_submodule(chain.bn) if chain.bn else None
     act = model.get_submodule(chain.act) if chain.act else None
@@ -92,22 +102,26 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     elif bn is not None:
         return LayerReport(chain.conv, pattern, "left", "training mode: BatchNorm is not folded")
     # An activation fuses only when nothing (an unfolded BatchNorm) sits between it and the conv.
-    fuse_act = isinstance(act, _FUSABLE_ACTIVATIONS) and (bn is None or bool(actions))
-    candidate = ConvCandidate.of(conv, "relu" if fuse_act else None)
+    act_name = _FUSABLE_ACTIVATIONS.get(type(act))
+    fuse_act = act_name is not None and (bn is None or bool(actions))
+    candidate = ConvCandidate.of(conv, act_name if fuse_act else None)
     if candidate is None:
         return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", "opforge has no kernel for this conv")
-    if not measured:
+    if force:
+        win, why = True, "force=True: not timed"
+    elif not measured:
         reason = "conv kept: pass example_inputs to time opforge's kernel on this layer's shape"
         return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", reason)
-    if x is None:
+    elif x is None:
         return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", "not called by example_inputs")
-    win, why = faster_with_opforge(candidate, act if not fuse_act else torch.nn.ReLU(), x)
+    else:
+        win, why = faster_with_opforge(candidate, act, x)
     if not win:
         return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", why)
     _set(model, chain.conv, candidate.module())
     if fuse_act:
         _set(model, chain.act, torch.nn.Identity())
-    actions.append("opforge conv2d_3x3" + (" + ReLU fused" if fuse_act else ""))
+    actions.append("opforge conv2d_3x3" + (f" + {type(act).__name__} fused" if fuse_act else ""))
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
 
 

@@ -29,7 +29,7 @@ def _pair(v):
 @dataclasses.dataclass
 class ConvCandidate:
     conv: torch.nn.Conv2d
-    activation: str | None  # fused into the kernel: None or "relu"
+    activation: str | None  # fused into the kernel: None, "relu", "relu6", "hardswish" or "silu"
     stride: int
     padding: int
 

@@ -25,12 +25,14 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   m.def(
       "conv2d_3x3.padding(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, str padding=\"valid\", "
       "int groups=1, str? activation=None) -> Tensor");
-  // Gradients of conv2d_3x3. `result` is the forward's output when relu was
-  // fused (the mask result > 0 is applied to grad_out inside), None otherwise.
-  // Entries of output_mask that are False come back as empty (0,) tensors.
+  // Gradients of conv2d_3x3. With an activation fused, `result` is what its
+  // derivative reads: the forward's output for relu and relu6, the
+  // pre-activation conv3x3(x, w) + bias for hardswish and silu; `activation`
+  // names it. result None: no activation. Entries of output_mask that are
+  // False come back as empty (0,) tensors.
   m.def(
       "_conv2d_3x3_backward(Tensor grad_out, Tensor? result, Tensor x, Tensor weight, int stride, int padding, "
-      "int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+      "int groups, bool[3] output_mask, str activation=\"relu\") -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_FRAGMENT(opforge_bench, m) {
@@ -47,6 +49,41 @@ namespace opforge::conv {
 // through the dispatcher by name.
 at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result) {
   return at::threshold_backward(grad_out, result, 0);
+}
+
+void activation_inplace(at::Tensor& t, Activation act) {
+  switch (act) {
+    case Activation::Relu:
+      t.relu_();
+      break;
+    case Activation::Relu6:
+      at::hardtanh_(t, 0, 6);
+      break;
+    case Activation::Hardswish:
+      at::hardswish_(t);
+      break;
+    case Activation::Silu:
+      at::silu_(t);
+      break;
+    default:
+      break;
+  }
+}
+
+std::pair<at::Tensor, std::optional<at::Tensor>> grad_through_activation(const at::Tensor& grad_out,
+                                                                         const std::optional<at::Tensor>& result,
+                                                                         std::string_view activation) {
+  if (!result.has_value() || !result->defined()) return {grad_out, std::nullopt};
+  switch (parse_activation(kBwdOp, activation)) {
+    case Activation::Relu:
+      return {grad_out, result};
+    case Activation::Relu6:  // y = clamp(z, 0, 6): 0 < y < 6 exactly where 0 < z < 6
+      return {at::hardtanh_backward(grad_out, *result, 0, 6), std::nullopt};
+    case Activation::Hardswish:
+      return {at::hardswish_backward(grad_out, *result), std::nullopt};
+    default:
+      return {at::silu_backward(grad_out, *result), std::nullopt};
+  }
 }
 
 // The backward through ATen's convolution_backward on the (masked) gradient;
@@ -95,19 +132,18 @@ using opforge::conv::kOp;
 at::Tensor conv2d_3x3_meta(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                            c10::IntArrayRef stride, c10::IntArrayRef padding, int64_t groups,
                            std::optional<std::string_view> activation) {
-  bool relu = false;
-  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, relu);
+  opforge::Activation act{};
+  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, act);
   return at::empty_symint(opforge::conv::out_sizes(s), x.options().memory_format(opforge::conv::out_format(x)));
 }
 
 // grad x in x's format, grad weight contiguous, grad bias (K,); entries
 // masked out are (0,) tensors.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_meta(const at::Tensor& grad_out,
-                                                                        const std::optional<at::Tensor>& result,
-                                                                        const at::Tensor& x, const at::Tensor& w,
-                                                                        int64_t stride, int64_t padding, int64_t groups,
-                                                                        std::array<bool, 3> mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_meta(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& result, const at::Tensor& x, const at::Tensor& w,
+    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask, std::string_view activation) {
   const auto s = opforge::conv::check_conv_args(kBwdOp, x, w, std::nullopt, stride, padding, groups);
+  opforge::parse_activation(kBwdOp, activation);
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, s);
   auto empty = [&] { return at::empty({0}, x.options()); };
   return {mask[0] ? at::empty_symint(x.sym_sizes(), x.options().memory_format(opforge::conv::out_format(x))) : empty(),

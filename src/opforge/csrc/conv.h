@@ -16,8 +16,11 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <utility>
 
 #include <opforge/checks.h>
+
+#include "activation.h"
 
 namespace opforge::conv {
 
@@ -45,14 +48,6 @@ inline int64_t check_pair(const char* op, const char* name, c10::IntArrayRef v) 
   TORCH_CHECK_VALUE(v.size() == 1 || (v.size() == 2 && v[0] == v[1]), op, ": ", name,
                     " must be an int or a pair of equal ints (the same value for H and W), got ", shape(v));
   return v[0];
-}
-
-// activation: None or "relu"; true for "relu".
-inline bool check_activation(const char* op, std::optional<std::string_view> activation) {
-  if (!activation.has_value()) return false;
-  TORCH_CHECK_VALUE(*activation == "relu", op, ": activation must be None or 'relu', got '", std::string(*activation),
-                    "'");
-  return true;
 }
 
 // padding "same" / "valid" as F.conv2d takes it: for a 3x3 kernel 1 and 0.
@@ -126,13 +121,13 @@ inline Shape check_conv_args(const char* op, const at::Tensor& x, const at::Tens
 }
 
 // The forward's contract with the schema's own types (int[2] pairs, the
-// activation's name); relu is set for activation "relu".
+// activation's name, returned in act).
 inline Shape check_forward_args(const char* op, const at::Tensor& x, const at::Tensor& w,
                                 const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                                 c10::IntArrayRef padding, int64_t groups, std::optional<std::string_view> activation,
-                                bool& relu) {
+                                Activation& act) {
   const int64_t s = check_pair(op, "stride", stride), p = check_pair(op, "padding", padding);
-  relu = check_activation(op, activation);
+  act = parse_activation(op, activation);
   return check_conv_args(op, x, w, bias, s, p, groups);
 }
 
@@ -242,6 +237,17 @@ inline BackwardOperands backward_operands(const at::Tensor& grad_out, const std:
 // grad_out * (result > 0) as torch's ReLU backward computes it
 // (threshold_backward: a NaN result passes the gradient), any device.
 at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result);
+// act(t) in place, as torch's own functions compute it (any device): for
+// the paths whose convolution engine cannot fuse the activation.
+void activation_inplace(at::Tensor& t, Activation act);
+// The backward op's gradient and ReLU mask as the kernels take them. The
+// backward kernels apply a ReLU mask (result > 0) themselves as they read
+// grad_out; any other activation's derivative is applied here first, read
+// from `result` (the output for relu6, the pre-activation for hardswish and
+// silu), and no mask is left. Without a result there is no activation.
+std::pair<at::Tensor, std::optional<at::Tensor>> grad_through_activation(const at::Tensor& grad_out,
+                                                                         const std::optional<at::Tensor>& result,
+                                                                         std::string_view activation);
 // The backward through ATen's convolution_backward on the (masked) gradient,
 // all operands 4-d: every CPU case but the direct depthwise one, and the
 // dense CUDA case (cuDNN). Masked-out entries are (0,) tensors.

@@ -1,9 +1,13 @@
-"""``conv2d_3x3``: 3x3 convolution with the bias and ReLU fused, forward and backward.
+"""``conv2d_3x3``: 3x3 convolution with the bias and activation fused, forward and backward.
 
 ``conv2d_3x3(x, weight, bias, stride, padding, groups, activation)`` equals
-``F.conv2d(x, weight, bias, stride, padding, groups=groups)`` followed by
-``torch.relu`` when ``activation == "relu"``, computed in one kernel per
-output element (the bias and the ReLU are applied before the single store).
+``F.conv2d(x, weight, bias, stride, padding, groups=groups)`` followed by the
+activation: None, ``"relu"``, ``"relu6"``, ``"hardswish"`` or ``"silu"``
+(``F.relu``, ``F.relu6``, ``F.hardswish``, ``F.silu``), computed in one
+kernel per output element (the bias and the activation are applied before
+the single store). On CUDA a dense convolution with an activation other than
+ReLU is cuDNN's convolution followed by one in-place activation pass (cuDNN
+fuses only ReLU).
 
 - ``x``: ``(N, C, H, W)`` or unbatched ``(C, H, W)`` (the output is then
   ``(K, Ho, Wo)``), contiguous or channels_last (anything else takes one
@@ -20,8 +24,12 @@ output element (the bias and the ReLU are applied before the single store).
 
 Checks, shape functions and autograd are C++ (csrc/conv.h, conv.cpp,
 conv_autograd.cpp); the wrapper only names the arguments. Backward is the
-op ``_conv2d_3x3_backward`` (grad x, grad weight, grad bias with the ReLU
-mask ``result > 0`` fused in); double backward raises NotImplementedError.
+op ``_conv2d_3x3_backward`` (grad x, grad weight, grad bias; a ReLU's mask
+``result > 0`` is applied as grad_out is read, any other activation's
+derivative by torch's own backward function first). When a graph is recorded,
+hardswish and silu run as the convolution and then torch's activation, so
+that the pre-activation their derivative needs is kept; without a graph
+(inference) they are fused. Double backward raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ def conv2d_3x3(
     groups: int = 1,
     activation: str | None = None,
 ) -> torch.Tensor:
-    """``F.conv2d(x, weight, bias, stride, padding, groups=groups)`` (+ ``relu``), fused.
+    """``F.conv2d(x, weight, bias, stride, padding, groups=groups)`` (+ the activation), fused.
 
     >>> import torch, opforge
     >>> x = torch.ones(1, 1, 4, 4)

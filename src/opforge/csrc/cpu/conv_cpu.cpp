@@ -37,9 +37,9 @@ using opforge::conv::Geometry;
 
 using opforge::conv::kBwdOp;
 using opforge::conv::kOp;
-at::Tensor forward(const opforge::conv::ForwardOperands& o, const Geometry& g, bool relu) {
+at::Tensor forward(const opforge::conv::ForwardOperands& o, const Geometry& g, opforge::Activation act) {
   if (g.N * opforge::conv::out_channels(g) * g.Ho * g.Wo == 0) return opforge::conv::empty_output_cpu(g, o);
-  if (!g.depthwise) return opforge::conv::dense_forward_cpu(o, g, relu);
+  if (!g.depthwise) return opforge::conv::dense_forward_cpu(o, g, act);
   at::Tensor out = opforge::conv::empty_output_cpu(g, o);
   opforge::conv::DwParams p{g.N,
                             g.C,
@@ -51,7 +51,7 @@ at::Tensor forward(const opforge::conv::ForwardOperands& o, const Geometry& g, b
                             g.stride,
                             g.pad,
                             g.mult,
-                            relu,
+                            act,
                             o.x.const_data_ptr(),
                             o.w.const_data_ptr(),
                             o.bias.defined() ? o.bias.const_data_ptr() : nullptr,
@@ -67,11 +67,10 @@ at::Tensor forward(const opforge::conv::ForwardOperands& o, const Geometry& g, b
 at::Tensor conv2d_3x3_cpu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                           c10::IntArrayRef stride, c10::IntArrayRef padding, int64_t groups,
                           std::optional<std::string_view> activation) {
-  bool relu = false;
-  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, relu);
+  opforge::Activation act{};
+  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, act);
   const Geometry g = opforge::conv::geometry(s);
-  return opforge::conv::unbatch(forward(opforge::conv::forward_operands(x, w, bias, s.unbatched), g, relu),
-                                s.unbatched);
+  return opforge::conv::unbatch(forward(opforge::conv::forward_operands(x, w, bias, s.unbatched), g, act), s.unbatched);
 }
 
 // Depthwise, multiplier 1 (see direct_depthwise_backward): grad x is, for stride
@@ -136,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
                                      1,
                                      2 - g.pad,
                                      1,
-                                     false,
+                                     opforge::Activation::None,
                                      go.const_data_ptr(),
                                      wflip.const_data_ptr(),
                                      nullptr,
@@ -150,13 +149,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
   return {gx, gw, gb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(const at::Tensor& grad_out,
-                                                                       const std::optional<at::Tensor>& result,
-                                                                       const at::Tensor& x, const at::Tensor& w,
-                                                                       int64_t stride, int64_t padding, int64_t groups,
-                                                                       std::array<bool, 3> mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
+    const at::Tensor& grad_out_in, const std::optional<at::Tensor>& result_in, const at::Tensor& x, const at::Tensor& w,
+    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask, std::string_view activation) {
   const auto s = opforge::conv::check_conv_args(kBwdOp, x, w, std::nullopt, stride, padding, groups);
-  opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, s);
+  opforge::conv::check_backward_args(kBwdOp, grad_out_in, result_in, x, s);
+  const auto [grad_out, result] = opforge::conv::grad_through_activation(grad_out_in, result_in, activation);
   const Geometry g = opforge::conv::geometry(s);
   at::Tensor gx, gw, gb;
   const bool u = s.unbatched, work = x.numel() > 0 && grad_out.numel() > 0;

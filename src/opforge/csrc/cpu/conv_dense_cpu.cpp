@@ -25,7 +25,7 @@
 #include <opforge/dispatch.h>
 
 OPFORGE_CPU_DECLARE(void, conv_bias_act, c10::ScalarType, const void*, void*, const void*, int64_t, int64_t, int64_t,
-                    bool, bool)
+                    bool, opforge::Activation)
 
 namespace opforge::conv {
 namespace {
@@ -146,7 +146,7 @@ void wide_columns(const scalar_t* xn, const Geometry& g, opmath_t* pad, opmath_t
 }
 
 template <typename scalar_t, typename opmath_t>
-void dense_forward_wide(const scalar_t* xp, const at::Tensor& wmat, const void* bias, bool relu, scalar_t* op,
+void dense_forward_wide(const scalar_t* xp, const at::Tensor& wmat, const void* bias, Activation act, scalar_t* op,
                         const Geometry& g, const at::TensorOptions& op_opts) {
   const auto bias_act = OPFORGE_CPU_SELECT(conv_bias_act);
   const int64_t Wp = g.W + 2 * g.pad, HoWo = g.Ho * g.Wo, CK = 9 * g.C, K = g.K;
@@ -172,7 +172,7 @@ void dense_forward_wide(const scalar_t* xp, const at::Tensor& wmat, const void* 
           }
         }
       }
-      bias_act(c10::CppTypeToScalarType<scalar_t>::value, a, op + n * K * HoWo, bias, K, HoWo, HoWo, true, relu);
+      bias_act(c10::CppTypeToScalarType<scalar_t>::value, a, op + n * K * HoWo, bias, K, HoWo, HoWo, true, act);
     }
   });
 }
@@ -187,7 +187,7 @@ void dense_forward_wide(const scalar_t* xp, const at::Tensor& wmat, const void* 
 // operands are wrapped without copies or dispatcher calls where they can be
 // (the weight is already (K, 9C) contiguous for NCHW), the buffers are not
 // zero-filled, and the GEMM is called below the dispatcher.
-void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu, at::Tensor& out,
+void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Activation act, at::Tensor& out,
                    const Geometry& g, bool nhwc) {
   const auto bias_act = OPFORGE_CPU_SELECT(conv_bias_act);
   const int64_t HoWo = g.Ho * g.Wo, CK = 9 * g.C, K = g.K;
@@ -208,7 +208,7 @@ void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
     const auto* xp = x.const_data_ptr<scalar_t>();
     auto* op = out.mutable_data_ptr<scalar_t>();
     if (wide) {
-      dense_forward_wide<scalar_t, opmath_t>(xp, wmat, bptr, relu, op, g, op_opts);
+      dense_forward_wide<scalar_t, opmath_t>(xp, wmat, bptr, act, op, g, op_opts);
       return;
     }
     at::parallel_for(0, g.N * tiles, 1, [&](int64_t begin, int64_t end) {
@@ -225,13 +225,13 @@ void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
           at::Tensor cols = at::from_blob(cols_buf.get(), {np, CK}, op_opts);
           at::Tensor acc = at::from_blob(acc_buf.get(), {np, K}, op_opts);
           at::cpu::mm_out(acc, cols, wmat);
-          bias_act(dtype, acc_buf.get(), op + (n * HoWo + p0) * K, bptr, np, K, K, false, relu);
+          bias_act(dtype, acc_buf.get(), op + (n * HoWo + p0) * K, bptr, np, K, K, false, act);
         } else {
           im2col_nchw_tile<scalar_t, opmath_t>(xn, cols_buf.get(), g, p0, np);
           at::Tensor cols = at::from_blob(cols_buf.get(), {CK, np}, op_opts);
           at::Tensor acc = at::from_blob(acc_buf.get(), {K, np}, op_opts);
           at::cpu::mm_out(acc, wmat, cols);
-          bias_act(dtype, acc_buf.get(), op + n * K * HoWo + p0, bptr, K, np, HoWo, true, relu);
+          bias_act(dtype, acc_buf.get(), op + n * K * HoWo + p0, bptr, K, np, HoWo, true, act);
         }
       }
     });
@@ -244,10 +244,10 @@ void dense_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b
 // tensor when oneDNN is not built in or refuses the dtype on this CPU (its
 // half-precision paths need AVX-512 BF16/FP16 or AVX-NE-CONVERT): the first
 // refusal turns oneDNN off for that dtype for the rest of the process.
-// The ReLU is not oneDNN's post-op: that one maps NaN to 0 where torch.relu
-// keeps it (hiding a diverging model), so it runs as one in-place pass over
-// the output (a few percent of a compute-bound convolution).
-at::Tensor dense_forward_onednn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu,
+// The activation is not oneDNN's post-op (its ReLU maps NaN to 0 where
+// torch.relu keeps it, hiding a diverging model): it runs as one in-place
+// pass over the output (a few percent of a compute-bound convolution).
+at::Tensor dense_forward_onednn(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Activation act,
                                 const Geometry& g) {
   static std::atomic<bool> refused[3] = {false, false, false};  // float32, bfloat16, float16
   const auto dtype = x.scalar_type();
@@ -273,7 +273,7 @@ at::Tensor dense_forward_onednn(const at::Tensor& x, const at::Tensor& w, const 
     return {};
   }
   at::Tensor out = stack.at(0).toTensor();
-  if (relu) out.relu_();
+  activation_inplace(out, act);
   return out;
 }
 
@@ -387,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> small_backward(const at::Tensor& 
     }
     const Geometry t{N, K, Ho, Wo, C, g.H, g.W, 1, 2 - P, 1, C, false};
     gx = at::detail::empty_cpu({N, C, g.H, g.W}, dtype);
-    dense_forward(gm, wt, at::Tensor(), false, gx, t, false);
+    dense_forward(gm, wt, at::Tensor(), Activation::None, gx, t, false);
   } else {
     gx = empty();
   }
@@ -396,13 +396,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> small_backward(const at::Tensor& 
 
 }  // namespace
 
-at::Tensor dense_forward_cpu(const ForwardOperands& o, const Geometry& g, bool relu) {
+at::Tensor dense_forward_cpu(const ForwardOperands& o, const Geometry& g, Activation act) {
   if (use_onednn(g)) {
-    const at::Tensor fused = dense_forward_onednn(o.x, o.w, o.bias, relu, g);
+    const at::Tensor fused = dense_forward_onednn(o.x, o.w, o.bias, act, g);
     if (fused.defined()) return fused.contiguous(o.fmt);
   }
   at::Tensor out = empty_output_cpu(g, o);
-  dense_forward(o.x, o.w, o.bias, relu, out, g, o.nhwc);
+  dense_forward(o.x, o.w, o.bias, act, out, g, o.nhwc);
   return out;
 }
 

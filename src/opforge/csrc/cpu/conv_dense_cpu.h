@@ -21,7 +21,7 @@ inline at::Tensor empty_output_cpu(const Geometry& g, const ForwardOperands& o) 
 
 // act(conv3x3(x, w) + bias) for groups 1, operands as forward_operands gives
 // them, the output not empty; in x's memory format.
-at::Tensor dense_forward_cpu(const ForwardOperands& o, const Geometry& g, bool relu);
+at::Tensor dense_forward_cpu(const ForwardOperands& o, const Geometry& g, Activation act);
 
 // The dense backward where its own path applies (stride 1, NCHW, below
 // oneDNN's sizes; operands 4-d, not empty): grad x contiguous, grad weight

@@ -44,9 +44,22 @@ inline at::vec::Vectorized<T> relu_vec(const at::vec::Vectorized<T>& a) {
   return V::blendv(a, V(T(0)), a < V(T(0)));
 }
 
+// act(a) for a vector, as apply_activation (activation.h) for one value.
 template <typename T>
-inline T relu_scalar(T a) {
-  return a < T(0) ? T(0) : a;
+inline at::vec::Vectorized<T> act_vec(const at::vec::Vectorized<T>& a, Activation act) {
+  using V = at::vec::Vectorized<T>;
+  switch (act) {
+    case Activation::Relu:
+      return relu_vec(a);
+    case Activation::Relu6:
+      return at::vec::minimum(relu_vec(a), V(T(6)));
+    case Activation::Hardswish:
+      return a * at::vec::minimum(relu_vec(a + V(T(3))), V(T(6))) / V(T(6));
+    case Activation::Silu:
+      return a / (V(T(1)) + a.neg().exp());
+    default:
+      return a;
+  }
 }
 
 // One vector of opmath values from / to scalar_t memory. The counted forms
@@ -208,7 +221,7 @@ inline void taps3(const T* R, at::vec::Vectorized<T>& x0, at::vec::Vectorized<T>
 template <int R, int S, typename scalar_t>
 inline void dw_nchw_pass(const at::opmath_type<scalar_t>* R0, int64_t rowlen, int64_t E, int64_t Wo,
                          const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv, at::opmath_type<scalar_t> bk,
-                         bool relu, scalar_t* o0) {
+                         Activation act, scalar_t* o0) {
   using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
@@ -243,7 +256,7 @@ inline void dw_nchw_pass(const at::opmath_type<scalar_t>* R0, int64_t rowlen, in
     const int64_t rem = Wo - ow;
 #pragma GCC unroll 8
     for (int t = 0; t < R; ++t) {
-      if (relu) acc[t] = relu_vec(acc[t]);
+      acc[t] = act_vec(acc[t], act);
       // Full-width loads stay inside the rows' slack (see rowlen); only the
       // rem valid values of the last vector are stored.
       if (rem >= L) {
@@ -265,20 +278,20 @@ constexpr int64_t kStageAhead = 4;
 template <int S, typename scalar_t, typename Stage>
 inline void dw_nchw_rows(const at::opmath_type<scalar_t>* plane, int64_t rowlen, int64_t E, int64_t Wo, int64_t oh0,
                          int64_t oh1, const at::vec::Vectorized<at::opmath_type<scalar_t>>* wv,
-                         at::opmath_type<scalar_t> bk, bool relu, scalar_t* op, Stage&& stage) {
+                         at::opmath_type<scalar_t> bk, Activation act, scalar_t* op, Stage&& stage) {
   int64_t oh = oh0;
   for (; oh + 4 <= oh1; oh += 4) {
     stage(oh * S + 3 * S + 3 + kStageAhead);
-    dw_nchw_pass<4, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+    dw_nchw_pass<4, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, act, op + oh * Wo);
   }
   if (oh + 2 <= oh1) {
     stage(oh * S + S + 3 + kStageAhead);
-    dw_nchw_pass<2, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+    dw_nchw_pass<2, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, act, op + oh * Wo);
     oh += 2;
   }
   if (oh < oh1) {
     stage(oh * S + 3 + kStageAhead);
-    dw_nchw_pass<1, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, relu, op + oh * Wo);
+    dw_nchw_pass<1, S, scalar_t>(plane + oh * S * rowlen, rowlen, E, Wo, wv, bk, act, op + oh * Wo);
   }
 }
 
@@ -394,9 +407,9 @@ void dw_nchw(const conv::DwParams& p) {
         const opmath_t bk = b ? static_cast<opmath_t>(b[k]) : opmath_t(0);
         scalar_t* op = out + (n * p.K + k) * Ho * Wo;
         if (s == 1) {
-          dw_nchw_rows<1, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.relu, op, stage);
+          dw_nchw_rows<1, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.act, op, stage);
         } else {
-          dw_nchw_rows<2, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.relu, op, stage);
+          dw_nchw_rows<2, scalar_t>(plane, rowlen, E, Wo, oh0, oh1, wv, bk, p.act, op, stage);
         }
       }
     }
@@ -412,7 +425,7 @@ void dw_nchw(const conv::DwParams& p) {
 template <typename scalar_t, int R, int S, int T, bool Full>
 inline void dw_nhwc_tile(const scalar_t* const* r, int64_t C, const at::opmath_type<scalar_t>* wk, int64_t K,
                          const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, int64_t orow_stride,
-                         bool relu, int n) {
+                         Activation act, int n) {
   using IO = VecIo<scalar_t>;
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   constexpr int NI = (T - 1) * S + 3;
@@ -449,7 +462,7 @@ inline void dw_nhwc_tile(const scalar_t* const* r, int64_t C, const at::opmath_t
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
       V a = acc[q][t];
-      if (relu) a = relu_vec(a);
+      a = act_vec(a, act);
       if constexpr (Full) {
         IO::store(o + q * orow_stride + t * K, a);
       } else {
@@ -464,7 +477,7 @@ inline void dw_nhwc_tile(const scalar_t* const* r, int64_t C, const at::opmath_t
 template <typename scalar_t, bool Full>
 inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int64_t iw0,
                          const at::opmath_type<scalar_t>* wk, int64_t K,
-                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, bool relu, int n) {
+                         const at::vec::Vectorized<at::opmath_type<scalar_t>>& bv, scalar_t* o, Activation act, int n) {
   using IO = VecIo<scalar_t>;
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   V a = bv;
@@ -477,7 +490,7 @@ inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int6
       a = at::vec::fmadd(V::loadu(wk + (kh * 3 + kw) * K), Full ? IO::load(src) : IO::load(src, n), a);
     }
   }
-  if (relu) a = relu_vec(a);
+  a = act_vec(a, act);
   if constexpr (Full) {
     IO::store(o, a);
   } else {
@@ -499,7 +512,7 @@ inline void dw_nhwc_edge(const scalar_t* const* rows, int64_t C, int64_t W, int6
 template <typename scalar_t, int R, int S>
 void dw_nhwc_rows(const scalar_t* const* rows, const at::opmath_type<scalar_t>* wt,
                   const at::opmath_type<scalar_t>* bias, scalar_t* orow, int64_t C, int64_t W, int64_t Wo, int64_t pad,
-                  bool relu, const scalar_t* next_rows, int64_t next_avail) {
+                  Activation act, const scalar_t* next_rows, int64_t next_avail) {
   using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
   constexpr int64_t L = V::size();
   constexpr int NR = (R - 1) * S + 3;
@@ -525,9 +538,9 @@ void dw_nhwc_rows(const scalar_t* const* rows, const at::opmath_type<scalar_t>* 
         for (int kh = 0; kh < 3; ++kh) r[kh] = rows[q * S + kh] ? rows[q * S + kh] + k0 : nullptr;
         scalar_t* o = orow + q * ostride + ow * K + k0;
         if (k0 < kfull) {
-          dw_nhwc_edge<scalar_t, true>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, relu, L);
+          dw_nhwc_edge<scalar_t, true>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, act, L);
         } else {
-          dw_nhwc_edge<scalar_t, false>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, relu, ntail);
+          dw_nhwc_edge<scalar_t, false>(r, C, W, iw0, wt + k0, K, V::loadu(bias + k0), o, act, ntail);
         }
       }
     }
@@ -544,9 +557,9 @@ void dw_nhwc_rows(const scalar_t* const* rows, const at::opmath_type<scalar_t>* 
       for (int i = 0; i < NR; ++i) r[i] = rows[i] ? rows[i] + iw0 * C + k0 : nullptr;
       scalar_t* o = orow + ow * K + k0;
       if (k0 < kfull) {
-        dw_nhwc_tile<scalar_t, R, S, Tn, true>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, relu, L);
+        dw_nhwc_tile<scalar_t, R, S, Tn, true>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, act, L);
       } else {
-        dw_nhwc_tile<scalar_t, R, S, Tn, false>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, relu, ntail);
+        dw_nhwc_tile<scalar_t, R, S, Tn, false>(r, C, wt + k0, K, V::loadu(bias + k0), o, ostride, act, ntail);
       }
     }
   };
@@ -639,18 +652,18 @@ void dw_nhwc(const conv::DwParams& p) {
       }
       if (s == 1) {
         if (R == 2) {
-          dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+          dw_nhwc_rows<scalar_t, 2, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.act, next_rows,
                                        next_avail);
         } else {
-          dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+          dw_nhwc_rows<scalar_t, 1, 1>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.act, next_rows,
                                        next_avail);
         }
       } else {
         if (R == 2) {
-          dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+          dw_nhwc_rows<scalar_t, 2, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.act, next_rows,
                                        next_avail);
         } else {
-          dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.relu, next_rows,
+          dw_nhwc_rows<scalar_t, 1, 2>(rows, wt.data(), bias.data(), orow, Ceff, W, Wo, pad, p.act, next_rows,
                                        next_avail);
         }
       }
@@ -662,7 +675,7 @@ void dw_nhwc(const conv::DwParams& p) {
 // GEMM's contiguous opmath tile. This is the dense path's final write.
 template <typename scalar_t>
 void bias_act(const void* src_, void* dst_, const void* bias_, int64_t rows, int64_t cols, int64_t dst_stride,
-              bool bias_per_row, bool relu) {
+              bool bias_per_row, Activation act) {
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
@@ -685,7 +698,7 @@ void bias_act(const void* src_, void* dst_, const void* bias_, int64_t rows, int
       for (; j + L <= cols; j += L) {
         V a = V::loadu(in + j);
         if (bias) a = a + (bias_per_row ? V(br) : V::loadu(bcol.data() + j));
-        if (relu) a = relu_vec(a);
+        a = act_vec(a, act);
         if constexpr (std::is_same_v<scalar_t, opmath_t>) {
           a.store(out + j);
         } else {
@@ -696,7 +709,7 @@ void bias_act(const void* src_, void* dst_, const void* bias_, int64_t rows, int
       for (; j < cols; ++j) {
         opmath_t a = in[j];
         if (bias) a += bias_per_row ? br : bcol[j];
-        out[j] = static_cast<scalar_t>(relu ? relu_scalar(a) : a);
+        out[j] = static_cast<scalar_t>(apply_activation(a, act));
       }
     }
   });
@@ -713,9 +726,9 @@ void conv_dw_nhwc(c10::ScalarType dtype, const conv::DwParams& p) {
 }
 
 void conv_bias_act(c10::ScalarType dtype, const void* src, void* dst, const void* bias, int64_t rows, int64_t cols,
-                   int64_t dst_stride, bool bias_per_row, bool relu) {
+                   int64_t dst_stride, bool bias_per_row, Activation act) {
   OPFORGE_DISPATCH_FLOATING_TYPES(dtype, "conv_bias_act", [&] {
-    conv_detail::bias_act<scalar_t>(src, dst, bias, rows, cols, dst_stride, bias_per_row, relu);
+    conv_detail::bias_act<scalar_t>(src, dst, bias, rows, cols, dst_stride, bias_per_row, act);
   });
 }
 

@@ -3,15 +3,17 @@
 
 #include <cstdint>
 
+#include "activation.h"
+
 namespace opforge::conv {
 
 struct DwParams {
   int64_t N, C, H, W, K, Ho, Wo, stride, pad, mult;
-  bool relu;
-  const void* x;  // (N, C, H, W) contiguous, or (N, H, W, C) for the NHWC loop
-  const void* w;  // (K, 1, 3, 3) contiguous
-  const void* b;  // (K) or nullptr
-  void* out;      // (N, K, Ho, Wo) contiguous, or (N, Ho, Wo, K)
+  Activation act;  // fused into the write (None for the backward's grad x)
+  const void* x;   // (N, C, H, W) contiguous, or (N, H, W, C) for the NHWC loop
+  const void* w;   // (K, 1, 3, 3) contiguous
+  const void* b;   // (K) or nullptr
+  void* out;       // (N, K, Ho, Wo) contiguous, or (N, Ho, Wo, K)
   // The backward's grad x runs this loop on grad_out: with `mask` (the
   // forward's ReLU result, x's shape and layout) an input value counts only
   // where mask > 0 (or is NaN), as relu's backward passes it.

@@ -50,8 +50,9 @@ constexpr int kThreads = 256;
 // y = act(y + bias[channel]) in place over (N, K, Ho, Wo) stored NCHW (channel
 // of flat index i: (i / HoWo) % K) or NHWC (i % K). V elements per thread step.
 template <typename scalar_t, int V, bool kNhwc>
-__global__ void __launch_bounds__(kThreads) bias_act_kernel(scalar_t* __restrict__ y, const scalar_t* __restrict__ bias,
-                                                            int64_t n, int64_t K, int64_t HoWo, bool relu) {
+__global__ void __launch_bounds__(kThreads)
+    bias_act_kernel(scalar_t* __restrict__ y, const scalar_t* __restrict__ bias, int64_t n, int64_t K, int64_t HoWo,
+                    opforge::Activation act) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t nv = n / V;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(kThreads) bias_act_kernel(scalar_t* __restrict
     for (int e = 0; e < V; ++e) {
       opmath_t a = static_cast<opmath_t>(val.val[e]);
       if (bias != nullptr) a += static_cast<opmath_t>(bias[k]);
-      if (relu) a = a < opmath_t(0) ? opmath_t(0) : a;
+      a = opforge::apply_activation(a, act);
       val.val[e] = static_cast<scalar_t>(a);
       if (kNhwc) {
         if (++k == K) k = 0;
@@ -86,25 +87,26 @@ __global__ void __launch_bounds__(kThreads) bias_act_kernel(scalar_t* __restrict
     const int64_t k = kNhwc ? t % K : (t / HoWo) % K;
     opmath_t a = static_cast<opmath_t>(y[t]);
     if (bias != nullptr) a += static_cast<opmath_t>(bias[k]);
-    if (relu) a = a < opmath_t(0) ? opmath_t(0) : a;
+    a = opforge::apply_activation(a, act);
     y[t] = static_cast<scalar_t>(a);
   }
 }
 
 template <typename scalar_t, int V>
-void launch_bias_act(scalar_t* y, const scalar_t* b, int64_t n, int64_t K, int64_t HoWo, bool relu, bool nhwc) {
+void launch_bias_act(scalar_t* y, const scalar_t* b, int64_t n, int64_t K, int64_t HoWo, opforge::Activation act,
+                     bool nhwc) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t blocks = opforge::cuda::grid_for(std::max<int64_t>(n / V, n % V), kThreads);
   if (nhwc) {
-    bias_act_kernel<scalar_t, V, true><<<blocks, kThreads, 0, stream>>>(y, b, n, K, HoWo, relu);
+    bias_act_kernel<scalar_t, V, true><<<blocks, kThreads, 0, stream>>>(y, b, n, K, HoWo, act);
   } else {
-    bias_act_kernel<scalar_t, V, false><<<blocks, kThreads, 0, stream>>>(y, b, n, K, HoWo, relu);
+    bias_act_kernel<scalar_t, V, false><<<blocks, kThreads, 0, stream>>>(y, b, n, K, HoWo, act);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The dense fallback's epilogue: one pass over cuDNN's output.
-void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, bool relu, bool nhwc, const Geometry& g) {
+void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, opforge::Activation act, bool nhwc, const Geometry& g) {
   const int64_t n = y.numel();
   if (n == 0) return;
   OPFORGE_DISPATCH_FLOATING_TYPES(y.scalar_type(), "conv2d_3x3_bias_act", [&] {
@@ -112,9 +114,9 @@ void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, bool relu, bool nhwc, 
     const auto* bp = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     constexpr int V = opforge::cuda::vec_width<scalar_t>();
     if (opforge::cuda::is_aligned(yp, 16)) {
-      launch_bias_act<scalar_t, V>(yp, bp, n, g.K, g.Ho * g.Wo, relu, nhwc);
+      launch_bias_act<scalar_t, V>(yp, bp, n, g.K, g.Ho * g.Wo, act, nhwc);
     } else {
-      launch_bias_act<scalar_t, 1>(yp, bp, n, g.K, g.Ho * g.Wo, relu, nhwc);
+      launch_bias_act<scalar_t, 1>(yp, bp, n, g.K, g.Ho * g.Wo, act, nhwc);
     }
   });
 }
@@ -149,43 +151,47 @@ std::optional<at::Tensor> cudnn_conv_bias_relu(const at::Tensor& x, const at::Te
   }
 }
 
-at::Tensor forward_cuda(const opforge::conv::ForwardOperands& o, const Geometry& g, bool relu) {
+at::Tensor forward_cuda(const opforge::conv::ForwardOperands& o, const Geometry& g, opforge::Activation act) {
   const at::MemoryFormat fmt = o.fmt;
   const bool nhwc = o.nhwc;
   const at::Tensor &x = o.x, &w = o.w, &bias = o.bias;
   at::Tensor out = opforge::conv::empty_output(g, o);
   if (out.numel() == 0) return out;
   if (g.depthwise) {
-    opforge::conv::depthwise_forward_cuda(x, w, bias, relu, out, g, nhwc);
+    opforge::conv::depthwise_forward_cuda(x, w, bias, act, out, g, nhwc);
     return out;
   }
   const int64_t stride = g.stride, padding = g.pad;
   if (prefer_cudnn_fused() && x.scalar_type() != at::kDouble) {
-    if (relu) {
+    if (act == opforge::Activation::Relu) {
       if (auto y = cudnn_conv_bias_relu(x, w, bias, stride, padding, fmt)) return *y;
     } else {
-      // Nothing to fuse: cuDNN's convolution with its bias, F.conv2d's own call.
+      // cuDNN's convolution with its bias, F.conv2d's own call; an
+      // activation other than ReLU (which cuDNN does not fuse) as one
+      // in-place pass, as F.conv2d followed by it would run.
       at::Tensor y = at::convolution(x, w, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                                      {stride, stride}, {padding, padding}, {1, 1}, false, {0, 0}, 1);
-      return y.is_contiguous(fmt) ? y : y.contiguous(fmt);
+      if (!y.is_contiguous(fmt)) y = y.contiguous(fmt);
+      opforge::conv::activation_inplace(y, act);
+      return y;
     }
   }
-  if (opforge::conv::conv3x3_dense_forward_mma(x, w, bias, stride, padding, relu, out)) return out;
-  // Fallback: cuDNN, then one fused bias + ReLU pass.
+  if (opforge::conv::conv3x3_dense_forward_mma(x, w, bias, stride, padding, act, out)) return out;
+  // Fallback: cuDNN, then one fused bias + activation pass.
   at::Tensor y = at::convolution(x, w, std::nullopt, {stride, stride}, {padding, padding}, {1, 1}, false, {0, 0}, 1);
   if (!y.is_contiguous(fmt)) y = y.contiguous(fmt);
-  if (bias.defined() || relu) bias_act_cuda(y, bias, relu, nhwc, g);
+  if (bias.defined() || act != opforge::Activation::None) bias_act_cuda(y, bias, act, nhwc, g);
   return y;
 }
 
 at::Tensor conv2d_3x3_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                            c10::IntArrayRef stride, c10::IntArrayRef padding, int64_t groups,
                            std::optional<std::string_view> activation) {
-  bool relu = false;
-  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, relu);
+  opforge::Activation act{};
+  const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, act);
   const Geometry g = opforge::conv::geometry(s);
   const c10::cuda::CUDAGuard guard(x.device());
-  return opforge::conv::unbatch(forward_cuda(opforge::conv::forward_operands(x, w, bias, s.unbatched), g, relu),
+  return opforge::conv::unbatch(forward_cuda(opforge::conv::forward_operands(x, w, bias, s.unbatched), g, act),
                                 s.unbatched);
 }
 
@@ -246,15 +252,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward(const at::Tens
   return {gx, mask[1] ? gw : empty(), mask[2] ? gb : empty()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(const at::Tensor& grad_out,
-                                                                        const std::optional<at::Tensor>& result,
-                                                                        const at::Tensor& x, const at::Tensor& w,
-                                                                        int64_t stride, int64_t padding, int64_t groups,
-                                                                        std::array<bool, 3> mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
+    const at::Tensor& grad_out_in, const std::optional<at::Tensor>& result_in, const at::Tensor& x, const at::Tensor& w,
+    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> mask, std::string_view activation) {
   const auto s = opforge::conv::check_conv_args(kBwdOp, x, w, std::nullopt, stride, padding, groups);
-  opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, s);
+  opforge::conv::check_backward_args(kBwdOp, grad_out_in, result_in, x, s);
   const Geometry g = opforge::conv::geometry(s);
   const c10::cuda::CUDAGuard guard(x.device());
+  const auto [grad_out, result] = opforge::conv::grad_through_activation(grad_out_in, result_in, activation);
   at::Tensor gx, gw, gb;
   std::tie(gx, gw, gb) = g.depthwise ? depthwise_backward(grad_out, result, x, w, g, s.unbatched, mask)
                                      : dense_backward(grad_out, result, x, w, g, s.unbatched, mask);

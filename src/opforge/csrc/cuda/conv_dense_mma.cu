@@ -79,7 +79,7 @@ struct Params {
   int M;   // N * Ho * Wo
   int Kg;  // 9 * C
   int tiles_n;
-  bool relu;
+  opforge::Activation act;
   bool out_nhwc;
   bool vec_store;  // NHWC output with K a multiple of the 16-byte chunk
 };
@@ -374,12 +374,10 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
       const int row = warp_m * kWarpM + i * 16 + g;
       float v0 = acc[i][j][0] + b0, v1 = acc[i][j][1] + b1;
       float v2 = acc[i][j][2] + b0, v3 = acc[i][j][3] + b1;
-      if (p.relu) {  // NaN stays NaN, as in torch.relu
-        v0 = v0 < 0.f ? 0.f : v0;
-        v1 = v1 < 0.f ? 0.f : v1;
-        v2 = v2 < 0.f ? 0.f : v2;
-        v3 = v3 < 0.f ? 0.f : v3;
-      }
+      v0 = opforge::apply_activation(v0, p.act);
+      v1 = opforge::apply_activation(v1, p.act);
+      v2 = opforge::apply_activation(v2, p.act);
+      v3 = opforge::apply_activation(v3, p.act);
       sC[row * c_stride + col] = Mma<T>::from_float(v0);
       sC[row * c_stride + col + 1] = Mma<T>::from_float(v1);
       sC[(row + 8) * c_stride + col] = Mma<T>::from_float(v2);
@@ -555,7 +553,7 @@ void launch(const Params& p) {
 namespace opforge::conv {
 
 bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
-                               int64_t padding, bool relu, at::Tensor& out) {
+                               int64_t padding, Activation act, at::Tensor& out) {
   // ---- what this kernel handles; anything else goes back to the caller ----
   if (!x.is_cuda() || !w.is_cuda() || !out.is_cuda()) return false;
   const auto dtype = x.scalar_type();
@@ -619,7 +617,7 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   p.M = static_cast<int>(M);
   p.Kg = static_cast<int>(9 * C);
   p.tiles_n = 0;  // set per tile configuration
-  p.relu = relu;
+  p.act = act;
   p.out_nhwc = out_nhwc;
   p.vec_store = out_nhwc && (K % chunk == 0);
   if (((M + 63) / 64) * ((K + 63) / 64) > kIntMax) return false;  // grid.x of the smallest tiles
@@ -657,7 +655,8 @@ at::Tensor conv3x3_dense_mma_entry(const at::Tensor& x, const at::Tensor& w, con
                                                                                : at::MemoryFormat::Contiguous;
   at::Tensor out = at::empty_symint(sizes, x.options().memory_format(fmt));
   if (out.numel() == 0) return out;
-  const bool done = opforge::conv::conv3x3_dense_forward_mma(x, w, b, stride, padding, relu, out);
+  const bool done = opforge::conv::conv3x3_dense_forward_mma(
+      x, w, b, stride, padding, relu ? opforge::Activation::Relu : opforge::Activation::None, out);
   TORCH_CHECK(done, op, ": the tensor-core path declines this case (dtype ", opforge::dtype_name(x.scalar_type()),
               ", C=", opforge::num(x.size(1)),
               "; it needs bfloat16/float16 with C % 8 == 0, or float32 with C % 4 == 0 and TF32 allowed for "

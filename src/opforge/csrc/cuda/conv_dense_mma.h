@@ -10,13 +10,15 @@
 
 #include <opforge/checks.h>
 
+#include "activation.h"
+
 namespace opforge::conv {
 
 // out = act(conv3x3(x, w) + bias) for groups == 1 on CUDA; x (N,C,H,W) contiguous or channels_last,
-// w (K,C,3,3), bias (K) or undefined; stride 1|2, padding 0|1; relu fused. Returns false if this
+// w (K,C,3,3), bias (K) or undefined; stride 1|2, padding 0|1; act fused. Returns false if this
 // kernel does not handle the case (dtype/shape/alignment), so the caller falls back.
 bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
-                               int64_t padding, bool relu, at::Tensor& out);
+                               int64_t padding, Activation act, at::Tensor& out);
 
 // The argument checks of the benchmark entry opforge_bench.conv_dense_mma,
 // shared by its CUDA kernel and its shape function (sizes may be symbolic);

@@ -9,7 +9,7 @@
 
 namespace opforge::conv {
 
-void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu,
+void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Activation act,
                             at::Tensor& out, const Geometry& g, bool nhwc);
 
 // The backward: grad_x (x's shape and format), grad_w (K, 1, 3, 3) and

@@ -116,16 +116,19 @@ inline at::Tensor conv2d_3x3(const at::Tensor& x, const at::Tensor& weight, cons
       .call(x, weight, bias, stride, padding, groups, activation);
 }
 
-// Gradients (x, weight, bias) of conv2d_3x3; `result` is the forward's output
-// when ReLU was fused. Entries of output_mask that are false come back empty.
+// Gradients (x, weight, bias) of conv2d_3x3. With an activation fused,
+// `result` is what its derivative reads (the output for relu and relu6, the
+// pre-activation for hardswish and silu) and `activation` names it; no
+// result, no activation. Entries of output_mask that are false come back empty.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> _conv2d_3x3_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& result, const at::Tensor& x, const at::Tensor& weight,
-    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> output_mask) {
+    int64_t stride, int64_t padding, int64_t groups, std::array<bool, 3> output_mask,
+    std::string_view activation = "relu") {
   OPFORGE_OP_HANDLE("_conv2d_3x3_backward", "",
-                    std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
-                                                                   const at::Tensor&, const at::Tensor&, int64_t,
-                                                                   int64_t, int64_t, std::array<bool, 3>))
-      .call(grad_out, result, x, weight, stride, padding, groups, output_mask);
+                    std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                        const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                        int64_t, int64_t, int64_t, std::array<bool, 3>, std::string_view))
+      .call(grad_out, result, x, weight, stride, padding, groups, output_mask, activation);
 }
 
 // ---------------------------------------------------------------- nms family

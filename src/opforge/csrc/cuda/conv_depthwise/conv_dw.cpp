@@ -55,19 +55,19 @@ bool try_backward_input_as_forward(const scalar_t* gm, const scalar_t* wflip, sc
   t.Ho = g.H;
   t.Wo = g.W;
   t.pad = 2 - g.pad;
-  return nhwc ? try_forward_nhwc_s1<scalar_t>(gm, wflip, nullptr, gx, t, false, stream)
-              : try_forward_nchw_s1<scalar_t>(gm, wflip, nullptr, gx, t, false, stream);
+  return nhwc ? try_forward_nhwc_s1<scalar_t>(gm, wflip, nullptr, gx, t, Activation::None, stream)
+              : try_forward_nchw_s1<scalar_t>(gm, wflip, nullptr, gx, t, Activation::None, stream);
 }
 
 }  // namespace
 
-void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool relu,
+void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Activation act,
                             at::Tensor& out, const Geometry& g, bool nhwc) {
   TORCH_CHECK(g.N <= INT32_MAX && g.Ho <= INT32_MAX / 2 && g.Wo <= INT32_MAX / 2,
               "opforge.conv2d_3x3: tensor too large for the depthwise CUDA kernel");
   auto stream = at::cuda::getCurrentCUDAStream();
   DwArgs a = base_args(g);
-  a.relu = relu;
+  a.act = act;
   const int S = static_cast<int>(g.stride);
   OPFORGE_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv2d_3x3_depthwise_cuda", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
@@ -75,8 +75,8 @@ void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::
     const auto* wp = w.const_data_ptr<scalar_t>();
     const auto* bp = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     auto* op = out.mutable_data_ptr<scalar_t>();
-    if (nhwc ? try_forward_nhwc_s1<scalar_t>(xp, wp, bp, op, g, relu, stream)
-             : try_forward_nchw_s1<scalar_t>(xp, wp, bp, op, g, relu, stream)) {
+    if (nhwc ? try_forward_nhwc_s1<scalar_t>(xp, wp, bp, op, g, act, stream)
+             : try_forward_nchw_s1<scalar_t>(xp, wp, bp, op, g, act, stream)) {
       return;
     }
     int V;

@@ -27,7 +27,7 @@ inline constexpr int kThreads = 256;
 struct DwArgs {
   int64_t N, C, H, W, K, Ho, Wo;
   int pad, mult;
-  bool relu;
+  Activation act;
   // NCHW tiling
   int toh, tow, tiles_h, tiles_w, pitch, tih;
   bool store_vec;
@@ -42,7 +42,8 @@ struct DwS1Args {
   int64_t plane_step;  // between a tile's planes: 1, or C (planes of one channel)
   int C, H, W, Ho, Wo, mult;
   int P, ngw, R, runs, BH, bands, PB, SR, LB, lpr_shift;
-  bool relu, store_vec;
+  Activation act;
+  bool store_vec;
 };
 
 // The staged stride-1 NHWC kernels (forward, weight gradient, fused
@@ -51,7 +52,7 @@ struct DwS1NhwcArgs {
   int64_t N;
   int C, H, W, Ho, Wo;
   int CB, chunks, TW, BH, tiles_w, tiles_h, LB;
-  bool relu;
+  Activation act;
 };
 
 // ---- planning (conv_dw_plan.cpp); s: bytes per element of the dtype
@@ -114,10 +115,10 @@ void launch_forward_nhwc(const scalar_t* x, const scalar_t* w, const scalar_t* b
 // shape (never float64); false otherwise, with nothing launched.
 template <typename scalar_t>
 bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
-                         bool relu, cudaStream_t stream);
+                         Activation act, cudaStream_t stream);
 template <typename scalar_t>
 bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
-                         bool relu, cudaStream_t stream);
+                         Activation act, cudaStream_t stream);
 
 // conv_dw_grad_input.cu: grad x by the gather or row kernels; grad_out and
 // result (undefined: no ReLU mask) in x's format.

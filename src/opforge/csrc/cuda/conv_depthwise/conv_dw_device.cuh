@@ -96,29 +96,39 @@ __device__ __forceinline__ void widen4(const scalar_t* p, float (&r)[4]) {
   }
 }
 
-// Four results rounded to scalar_t, after relu_nan when relu. From sm_80 on
+// act(v), the ReLU as relu_nan (one instruction).
+__device__ __forceinline__ float activate(float v, Activation act) {
+  return act == Activation::Relu ? relu_nan(v) : apply_activation(v, act);
+}
+__device__ __forceinline__ double activate(double v, Activation act) { return apply_activation(v, act); }
+
+// Four results rounded to scalar_t, after act. From sm_80 on
 // the half types round two values per instruction (cvt ...x2, its .relu
 // form keeping NaN as relu_nan does) instead of one value per conversion
 // plus byte permutes to pair them.
 template <typename scalar_t>
-__device__ __forceinline__ AlignedVec<scalar_t, 4> narrow4(const float (&v)[4], bool relu) {
+__device__ __forceinline__ AlignedVec<scalar_t, 4> narrow4(const float (&v)[4], Activation act) {
   AlignedVec<scalar_t, 4> out;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (sizeof(scalar_t) == 2) {
+    const bool relu = act == Activation::Relu;
+    float a[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[e] = relu ? v[e] : apply_activation(v[e], act);
     uint32_t w[2];
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (relu) {
-          asm("cvt.rn.relu.bf16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+          asm("cvt.rn.relu.bf16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(a[2 * k]), "f"(a[2 * k + 1]));
         } else {
-          asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+          asm("cvt.rn.bf16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(a[2 * k]), "f"(a[2 * k + 1]));
         }
       } else {
         if (relu) {
-          asm("cvt.rn.relu.f16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+          asm("cvt.rn.relu.f16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(a[2 * k]), "f"(a[2 * k + 1]));
         } else {
-          asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(v[2 * k]), "f"(v[2 * k + 1]));
+          asm("cvt.rn.f16x2.f32 %0, %2, %1;" : "=r"(w[k]) : "f"(a[2 * k]), "f"(a[2 * k + 1]));
         }
       }
     }
@@ -128,7 +138,7 @@ __device__ __forceinline__ AlignedVec<scalar_t, 4> narrow4(const float (&v)[4], 
 #endif
   {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) out.val[e] = static_cast<scalar_t>(relu ? relu_nan(v[e]) : v[e]);
+    for (int e = 0; e < 4; ++e) out.val[e] = static_cast<scalar_t>(activate(v[e], act));
     return out;
   }
 }

@@ -22,13 +22,13 @@ void launch_forward_nchw(const scalar_t* x, const scalar_t* w, const scalar_t* b
 
 template <typename scalar_t>
 bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
-                         bool relu, cudaStream_t stream) {
+                         Activation act, cudaStream_t stream) {
   if constexpr (sizeof(scalar_t) == 8) {
     return false;
   } else {
     NchwS1Plan plan;
     if (!plan_nchw_s1(g, sizeof(scalar_t), xp, op, false, plan)) return false;
-    plan.a.relu = relu;
+    plan.a.act = act;
     const int64_t blocks = (plan.a.planes + plan.a.PB - 1) / plan.a.PB * plan.a.bands;
     TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
     const size_t smem = nchw_s1_stage_bytes(plan.a, sizeof(scalar_t));
@@ -45,7 +45,7 @@ bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
 #define OPFORGE_DW_FORWARD_NCHW(T)                                                                                 \
   template void launch_forward_nchw<T>(const T*, const T*, const T*, T*, const DwArgs&, int, int, int64_t, size_t, \
                                        cudaStream_t);                                                              \
-  template bool try_forward_nchw_s1<T>(const T*, const T*, const T*, T*, const Geometry&, bool, cudaStream_t);
+  template bool try_forward_nchw_s1<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t);
 OPFORGE_DW_INSTANTIATE(OPFORGE_DW_FORWARD_NCHW)
 #undef OPFORGE_DW_FORWARD_NCHW
 

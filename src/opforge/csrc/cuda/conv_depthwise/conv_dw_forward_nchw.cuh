@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kh = 0; kh < 3; ++kh)
 #pragma unroll
           for (int kw = 0; kw < 3; ++kw) acc += wk[kh * 3 + kw] * win[kh][e * S + kw];
-        if (a.relu) acc = relu_op(acc);
+        acc = apply_activation(acc, a.act);
         res.val[e] = static_cast<scalar_t>(acc);
       }
       scalar_t* op = out + ((n * a.K + c * a.mult + j) * a.Ho + oh) * a.Wo + ow;
@@ -187,7 +187,7 @@ __device__ __forceinline__ void dw_s1_compute(const scalar_t* tile, const scalar
         fma_row(xr, 2, accP);
         AlignedVec<scalar_t, V> res;
 #pragma unroll
-        for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_nan(accP[e]) : accP[e]);
+        for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(activate(accP[e], a.act));
         if (a.store_vec) {
           *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = res;
         } else {

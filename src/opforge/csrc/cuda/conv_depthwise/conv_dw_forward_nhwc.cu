@@ -22,7 +22,7 @@ void launch_forward_nhwc(const scalar_t* x, const scalar_t* w, const scalar_t* b
 
 template <typename scalar_t>
 bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
-                         bool relu, cudaStream_t stream) {
+                         Activation act, cudaStream_t stream) {
   if constexpr (sizeof(scalar_t) == 8) {
     return false;
   } else {
@@ -31,7 +31,7 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
     // 32 rows for the half types (their tile is half the bytes), 16 for
     // float32 (docs/ops/conv.md, Design notes).
     if (!plan_nhwc_s1(g, sizeof(scalar_t), xp, op, sizeof(scalar_t) == 2 ? 32 : 16, a, threads)) return false;
-    a.relu = relu;
+    a.act = act;
     const int64_t blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
     TORCH_CHECK(blocks <= INT32_MAX, "opforge.conv2d_3x3: too many tiles for one launch");
     const size_t smem = nhwc_s1_stage_bytes(a, sizeof(scalar_t));
@@ -48,7 +48,7 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
 #define OPFORGE_DW_FORWARD_NHWC(T)                                                                                 \
   template void launch_forward_nhwc<T>(const T*, const T*, const T*, T*, const DwArgs&, int, int, int64_t, size_t, \
                                        cudaStream_t);                                                              \
-  template bool try_forward_nhwc_s1<T>(const T*, const T*, const T*, T*, const Geometry&, bool, cudaStream_t);
+  template bool try_forward_nhwc_s1<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t);
 OPFORGE_DW_INSTANTIATE(OPFORGE_DW_FORWARD_NHWC)
 #undef OPFORGE_DW_FORWARD_NHWC
 

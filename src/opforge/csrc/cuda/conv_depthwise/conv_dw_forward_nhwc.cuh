@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     AlignedVec<scalar_t, V> res;
 #pragma unroll
-    for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(a.relu ? relu_op(acc[e]) : acc[e]);
+    for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(apply_activation(acc[e], a.act));
     *reinterpret_cast<AlignedVec<scalar_t, V>*>(out + ((n * a.Ho + oh) * a.Wo + ow) * K + k0 + kk0) = res;
   }
 }
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kThreads)
     load_row(s, xr);
     s += rstep;
     fma_row(xr, 2, accP);
-    *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, a.relu);
+    *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, a.act);
     o += ostep;
 #pragma unroll
     for (int e = 0; e < V; ++e) accP[e] = accQ[e];

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kFusedThreads, 3)
 #pragma unroll
             for (int kw = 0; kw < 3; ++kw) accP[e] = fmaf(wf[6 + kw][e], gr[kw][e], accP[e]);
           if (ri >= 2) {
-            *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, false);
+            *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = narrow4<scalar_t>(accP, Activation::None);
             o += ostep;
           }
 #pragma unroll
