@@ -4,7 +4,7 @@ Bounds: the pre-activation z = conv(x, w) + b is a sum of 9*C/groups products
 in opmath, so its error is at most sum|x||w| * (product error + (terms + 1)
 unit roundoffs), the worst-case bound of a sequential sum; a path that rounds z
 to the dtype before the activation (cuDNN, then the activation) adds z's own
-rounding. The activation is Lipschitz with constant 1.5 at most (hardswish's
+rounding, and a bias added after the convolution's rounding one more. The activation is Lipschitz with constant 1.5 at most (hardswish's
 slope at 3), and the output is rounded once more. The reference is float64 on
 the CPU. Gradients: the derivative is taken at opforge's own z (or output)
 in float64, so a value right at a kink cannot flip the comparison.
@@ -49,7 +49,8 @@ def check_forward(x, w, b, stride, padding, groups, activation):
     terms = 9 * w.shape[1] + 1
     tf32 = x.device.type == "cuda" and x.dtype == torch.float32 and groups == 1 and torch.backends.cudnn.allow_tf32
     product = TF32_PRODUCT_ERR if tf32 else 0.0
-    z_err = absz * (product + terms * UNIT[opmath]) + z.abs() * UNIT[x.dtype]
+    # A path that adds the bias to the convolution's rounded result rounds twice.
+    z_err = absz * (product + terms * UNIT[opmath] + UNIT[x.dtype]) + z.abs() * UNIT[x.dtype]
     # silu's exp in opmath: a few unit roundoffs of the output besides its rounding.
     bound = LIPSCHITZ * z_err + ref.abs() * (UNIT[x.dtype] + 8 * UNIT[opmath]) + 1e-300
     err = (out.cpu().double() - ref).abs()
