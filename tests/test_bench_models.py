@@ -30,3 +30,29 @@ def test_run_cell_checks_outputs_and_reports(mode, tmp_path):
     models_report.write_json([result], str(path), "cpu")
     data = json.loads(path.read_text())
     assert data["schema"] == models_report.SCHEMA and data["results"][0]["cell"]["mode"] == mode
+
+
+def test_merge_reads_back_what_was_written(tmp_path):
+    """Runs made apart merge into one table: `opforge bench models --merge a.json b.json`."""
+    import subprocess
+    import sys
+
+    env = {"gpu": "Test GPU", "torch": "x"}
+    paths = []
+    for i, model in enumerate(("mobilenet_v2", "resnet18")):
+        cell = models.Cell(model, "cuda", "bfloat16", 64, "channels_last", "inference")
+        timed = {"eager": models.Timed(2.0 + i, 1e-3), "optimize": models.Timed(1.0, 2e-3)}
+        paths.append(tmp_path / f"{model}.json")
+        models_report.write_json([models.CellResult(cell, timed)], str(paths[-1]), "cuda", env)
+    env_back, results = models_report.read_json(str(paths[1]))
+    assert env_back == env and results[0].providers["eager"].ms == 3.0
+    out = tmp_path / "merged.md"
+    cmd = [sys.executable, "-m", "opforge", "bench", "models", "--merge", *map(str, paths), "--markdown", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    text = out.read_text()
+    assert "Test GPU" in text and "| mobilenet_v2 |" in text and "| resnet18 |" in text
+    assert "| 2.00x |" in text and "| 3.00x |" in text  # optimize / eager per row
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(ValueError, match="not an opforge bench models result"):
+        models_report.read_json(str(bad))

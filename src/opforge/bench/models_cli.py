@@ -33,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--modes", type=_csv(("inference", "train")), default=None, help="default: both")
     g.add_argument("--providers", type=_csv(PROVIDERS), default=None, help="default: all that apply")
     g.add_argument("--image", type=int, default=224, help="input height and width (default 224)")
+    g.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        default=None,
+        help="run nothing: merge the results of earlier --json files into one table (--json / --markdown)",
+    )
 
 
 def wanted(args) -> bool:
@@ -44,6 +51,8 @@ def run(args) -> int:
 
     from . import models, models_report
 
+    if args.merge:
+        return _merge(args, models_report)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print(f"opforge bench {NAME}: --device cuda, but torch sees no CUDA GPU")
@@ -77,3 +86,20 @@ def run(args) -> int:
         models_report.write_markdown(results, args.markdown, device)
         print(f"wrote {args.markdown}")
     return 1 if any(t.status.startswith("failed") for r in results for t in r.providers.values()) else 0
+
+
+def _merge(args, models_report) -> int:
+    env, results = None, []
+    for path in args.merge:
+        e, r = models_report.read_json(path)
+        env = env or e
+        results += r
+    device = results[0].cell.device if results else "cpu"
+    print(models_report.table(results))
+    if args.json:
+        models_report.write_json(results, args.json, device, env)
+        print(f"wrote {args.json}")
+    if args.markdown:
+        models_report.write_markdown(results, args.markdown, device, env)
+        print(f"wrote {args.markdown}")
+    return 0

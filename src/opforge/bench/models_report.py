@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from .machine import environment
-from .models import PROVIDERS, Cell, CellResult
+from .models import PROVIDERS, Cell, CellResult, Timed
 
 SCHEMA = "opforge-bench-models/1"
 
@@ -53,10 +53,21 @@ def table(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
-def write_json(results: list[CellResult], path: str, device: str) -> None:
+def read_json(path: str) -> tuple[dict, list[CellResult]]:
+    """(environment, results) of a file write_json wrote: runs made apart merge into one table."""
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not an opforge bench models result (schema {data.get('schema')!r}, want {SCHEMA!r})")
+    results = [
+        CellResult(Cell(**r["cell"]), {k: Timed(**v) for k, v in r["providers"].items()}) for r in data["results"]
+    ]
+    return data["environment"], results
+
+
+def write_json(results: list[CellResult], path: str, device: str, env: dict | None = None) -> None:
     data = {
         "schema": SCHEMA,
-        "environment": environment(device),
+        "environment": env or environment(device),
         "results": [
             {
                 "cell": dataclasses.asdict(r.cell),
@@ -68,9 +79,9 @@ def write_json(results: list[CellResult], path: str, device: str) -> None:
     Path(path).write_text(json.dumps(data, indent=1) + "\n")
 
 
-def write_markdown(results: list[CellResult], path: str, device: str) -> None:
+def write_markdown(results: list[CellResult], path: str, device: str, env: dict | None = None) -> None:
     header, body = rows(results)
-    env = environment(device)
+    env = env or environment(device)
     lines = [
         f"# opforge on whole models ({device})",
         "",
