@@ -4,8 +4,9 @@ Bounds: the pre-activation z = conv(x, w) + b is a sum of 9*C/groups products
 in opmath, so its error is at most sum|x||w| * (product error + (terms + 1)
 unit roundoffs), the worst-case bound of a sequential sum; a path that rounds z
 to the dtype before the activation (cuDNN, then the activation) adds z's own
-rounding, and a bias added after the convolution's rounding one more. The activation is Lipschitz with constant 1.5 at most (hardswish's
-slope at 3), and the output is rounded once more. The reference is float64 on
+rounding, and a bias added after the convolution's rounding one more. The
+activation is Lipschitz with constant 1.5 at most (hardswish's slope at 3),
+and the output is rounded once more. The reference is float64 on
 the CPU. Gradients: the derivative is taken at opforge's own z (or output)
 in float64, so a value right at a kink cannot flip the comparison.
 """
