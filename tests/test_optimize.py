@@ -192,3 +192,23 @@ def test_channels_last_parameters_keep_their_format():
 def test_bad_model_argument():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         opforge.optimize(lambda x: x)
+
+
+def test_folding_is_kept_only_where_it_does_not_time_slower(monkeypatch):
+    """The fold is a measured choice too: where the folded conv times slower, the pair stays."""
+    from opforge import optimize_choice
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), randomize_batchnorm(torch.nn.BatchNorm2d(4))).eval()
+    x = torch.randn(1, 4, 8, 8)
+    calls = iter([10.0, 20.0])  # conv + BatchNorm first, then the folded conv: folding is slower
+    monkeypatch.setattr(optimize_choice, "_cache", {})
+    monkeypatch.setattr(optimize_choice, "_median_us", lambda fn, device: (fn(), next(calls))[1])
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert isinstance(fast[1], torch.nn.BatchNorm2d)
+    assert report.layers[0].reason.startswith("BatchNorm not folded: folded 20.0 us vs 10.0 us"), str(report)
+    calls = iter([20.0, 10.0])
+    monkeypatch.setattr(optimize_choice, "_cache", {})
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert isinstance(fast[1], torch.nn.Identity) and "BatchNorm folded" in report.layers[0].action
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)

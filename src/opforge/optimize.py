@@ -5,8 +5,10 @@ trace, or the children of each ``nn.Sequential`` when the model does not
 trace):
 
 - ``Conv2d -> BatchNorm2d`` (eval mode): the BatchNorm is folded into the
-  conv's weight and bias (any conv: folding removes a pass over memory at no
-  cost) and becomes ``nn.Identity``. Training mode never folds.
+  conv's weight and bias (any conv) and becomes ``nn.Identity``. With
+  ``example_inputs`` the folded conv is timed against the pair and kept
+  unless it is slower (an engine that adds the new bias as a pass of its own
+  can lose what the BatchNorm's pass cost). Training mode never folds.
 - a 3x3 conv opforge supports (dense or depthwise, stride 1 or 2, padding 0
   or 1, dilation 1, zero padding), with the activation after it (ReLU,
   ReLU6, Hardswish, SiLU; any other is left as it is): one
@@ -30,7 +32,7 @@ import dataclasses
 
 import torch
 
-from .optimize_choice import ConvCandidate, faster_with_opforge
+from .optimize_choice import ConvCandidate, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
 from .optimize_patterns import Chain, find_chains
 
@@ -95,7 +97,12 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     pattern = " -> ".join([_describe_conv(conv)] + [type(m).__name__ for m in (bn, act) if m is not None])
     actions = []
     if bn is not None and not conv.training and not bn.training:
-        conv = folded_conv(conv, bn)
+        folded = folded_conv(conv, bn)
+        if measured and x is not None and not force:
+            pays, why = folding_pays(conv, bn, folded, x)
+            if not pays:
+                return LayerReport(chain.conv, pattern, "left", f"BatchNorm not folded: {why}")
+        conv = folded
         _set(model, chain.conv, conv)
         _set(model, chain.bn, torch.nn.Identity())
         actions.append("BatchNorm folded")

@@ -101,6 +101,25 @@ def _median_us(fn, device: torch.device, calls: int = 20, repeats: int = 7) -> f
     return statistics.median(samples)
 
 
+def folding_pays(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, folded: torch.nn.Conv2d, x: torch.Tensor):
+    """(the folded conv is not slower than conv then BatchNorm, the measured times as text), cached.
+
+    Folding removes the BatchNorm's pass but gives the conv a bias, which some
+    engines add as a pass of its own: it is kept unless it measures more than
+    the margin slower."""
+    fmt = "cl" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "nchw"
+    key = ("fold", str(x.device), x.dtype, fmt, tuple(x.shape), tuple(conv.weight.shape), conv.bias is not None)
+    key += (tuple(conv.stride), str(conv.padding), tuple(conv.dilation), conv.groups, conv.padding_mode)
+    if key in _cache:
+        return _cache[key]
+    with torch.no_grad():
+        before_us = _median_us(lambda: bn(conv(x)), x.device)
+        after_us = _median_us(lambda: folded(x), x.device)
+    result = (after_us <= before_us * _MARGIN, f"folded {after_us:.1f} us vs {before_us:.1f} us with the BatchNorm")
+    _cache[key] = result
+    return result
+
+
 def faster_with_opforge(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor) -> tuple[bool, str]:
     """(opforge is at least as fast, the measured times as text), cached per process."""
     key = _key(candidate, act, x)
