@@ -1,0 +1,177 @@
+"""Depthwise 3x3 layers of real models: opforge.conv2d_3x3 against F.conv2d (cuDNN / ATen).
+
+The layer shapes are collected from the models themselves (forward hooks on
+torchvision's classification models at 224x224), never from a hand-written
+list: every depthwise 3x3 conv opforge supports (stride 1 or 2, padding 0 or
+1, zero padding, dilation 1), each distinct (C, H, W, stride, padding,
+multiplier) once. Each is then timed at batch 1, 8 and 64, float32 and
+bfloat16, NCHW and channels_last, forward (under no_grad) and backward
+(grad x, weight and bias of one call), with the outputs checked first.
+
+Reported as counts: cases slower than the peer, the geometric-mean
+speed-up, the worst case, and, forward, the cases moving more than 8 MB
+that run under 60% of the device-copy floor (input read once, output
+written once, at the copy bandwidth measured in the same run).
+
+    python tools/depthwise_sweep.py --json sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+MODELS = (
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "mnasnet1_0",
+    "shufflenet_v2_x1_0",
+    "regnet_y_400mf",
+)
+
+
+def collect_shapes(names=MODELS, image=224) -> dict[tuple, list[str]]:
+    """{(C, H, W, stride, padding, multiplier): [model names]} of the supported depthwise 3x3 convs."""
+    import torchvision
+
+    shapes: dict[tuple, list[str]] = {}
+    for name in names:
+        model = getattr(torchvision.models, name)(weights=None).eval()
+        hooks = []
+        for m in model.modules():
+            if not isinstance(m, torch.nn.Conv2d) or m.kernel_size != (3, 3) or m.groups != m.in_channels:
+                continue
+            if m.groups == 1 or m.dilation != (1, 1) or m.padding_mode != "zeros":
+                continue
+            if m.stride[0] != m.stride[1] or m.stride[0] not in (1, 2) or m.padding not in ((0, 0), (1, 1)):
+                continue
+
+            def hook(mod, args, name=name):
+                _, c, h, w = args[0].shape
+                key = (c, h, w, mod.stride[0], mod.padding[0], mod.out_channels // c)
+                shapes.setdefault(key, [])
+                if name not in shapes[key]:
+                    shapes[key].append(name)
+
+            hooks.append(m.register_forward_pre_hook(hook))
+        with torch.no_grad():
+            model(torch.randn(1, 3, image, image))
+        for h in hooks:
+            h.remove()
+    return shapes
+
+
+def _time_ms(fn, reps=20, rounds=5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) / reps)
+    return statistics.median(out)
+
+
+def copy_bandwidth_gbs() -> float:
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _time_ms(lambda: y.copy_(x))
+    return 2 * x.numel() / ms / 1e6
+
+
+def run_case(key, n, dtype, channels_last):
+    import opforge
+
+    c, h, w, s, p, mult = key
+    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    wt = torch.randn(c * mult, 1, 3, 3, device="cuda", dtype=dtype)
+    b = torch.randn(c * mult, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ours = opforge.conv2d_3x3(x, wt, b, s, p, c)
+        ref = F.conv2d(x.double(), wt.double(), b.double(), s, p, 1, c)
+        err = ((ours.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        fwd = (
+            _time_ms(lambda: opforge.conv2d_3x3(x, wt, b, s, p, c)),
+            _time_ms(lambda: F.conv2d(x, wt, b, s, p, 1, c)),
+        )
+    g = torch.randn_like(ours)
+
+    def bwd(fn):
+        xg, wg, bg = (t.detach().requires_grad_() for t in (x, wt, b))
+        out = fn(xg, wg, bg)
+        return lambda: torch.autograd.grad(out, (xg, wg, bg), g, retain_graph=True)
+
+    bwd_ms = (
+        _time_ms(bwd(lambda xx, ww, bb: opforge.conv2d_3x3(xx, ww, bb, s, p, c))),
+        _time_ms(bwd(lambda xx, ww, bb: F.conv2d(xx, ww, bb, s, p, 1, c))),
+    )
+    moved = (x.numel() + ours.numel()) * x.element_size()
+    return {"fwd": fwd, "bwd": bwd_ms, "bytes": moved, "max_rel_err": err}
+
+
+def summarize(cases, direction, floor_gbs=None):
+    speed = [c[direction][1] / c[direction][0] for c in cases]
+    worst = min(range(len(cases)), key=lambda i: speed[i])
+    out = {
+        "cases": len(cases),
+        "slower_than_peer": sum(v < 1.0 for v in speed),
+        "geomean_speedup": math.exp(sum(math.log(v) for v in speed) / len(speed)),
+        "worst": {"speedup": speed[worst], **{k: cases[worst][k] for k in ("case", direction)}},
+    }
+    if floor_gbs:
+        big = [c for c in cases if c["bytes"] > 8e6]
+        frac = [c["bytes"] / (c["fwd"][0] * 1e-3) / (floor_gbs * 1e9) for c in big]
+        out["over_8MB"] = len(big)
+        out["over_8MB_under_60pct_floor"] = sum(f < 0.6 for f in frac)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write every case and the summary here")
+    ap.add_argument("--batches", default="1,8,64")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("depthwise_sweep: needs a CUDA GPU")
+        return 2
+    shapes = collect_shapes()
+    floor = copy_bandwidth_gbs()
+    cases = []
+    for key, models in sorted(shapes.items()):
+        for n in (int(b) for b in args.batches.split(",")):
+            for dtype in (torch.float32, torch.bfloat16):
+                for cl in (False, True):
+                    r = run_case(key, n, dtype, cl)
+                    r["case"] = f"N{n} C{key[0]} {key[1]}x{key[2]} s{key[3]} p{key[4]} m{key[5]} {str(dtype)[6:]} "
+                    r["case"] += ("NHWC" if cl else "NCHW") + f" ({','.join(models)})"
+                    cases.append(r)
+    summary = {
+        "shapes": len(shapes),
+        "copy_gbs": floor,
+        "forward": summarize(cases, "fwd", floor),
+        "backward": summarize(cases, "bwd"),
+        "max_rel_err": max(c["max_rel_err"] for c in cases),
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "cases": cases}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
