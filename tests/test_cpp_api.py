@@ -71,6 +71,13 @@ def test_library_needs_no_python():
     assert "libpython" not in needed and "libtorch_python" not in needed, needed
 
 
+def test_library_ships_without_host_debug_information():
+    """The deployed artifact stays small: no DWARF sections (they were 94% of its size)."""
+    library = _library()
+    sections = subprocess.run(["readelf", "-S", "-W", library], capture_output=True, text=True, check=True).stdout
+    assert ".debug_info" not in sections, sections
+
+
 def test_program_links_no_python(programs):
     for binary in programs.values():
         deps = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True).stdout

@@ -349,6 +349,13 @@ class SourceSet:
         return dirs
 
 
+def link_flags() -> list[str]:
+    """OpenMP's, and no host debug information in the library: Python's own
+    CFLAGS (which setuptools passes) carry -g, and its DWARF made 94% of the
+    kernel library's size. CUDA's -lineinfo lives in the fatbinary and stays."""
+    return openmp_flags()[1] + ["-Wl,--strip-debug"]
+
+
 def setup_extension(src: SourceSet, module_name: str):
     """A setuptools extension for an installed (abi3) build of ``src``.
 
@@ -382,7 +389,7 @@ def setup_extension(src: SourceSet, module_name: str):
         include_dirs=src.all_include_dirs(decision.enabled),
         library_dirs=library_dirs,
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-        extra_link_args=openmp_flags()[1],
+        extra_link_args=link_flags(),
         py_limited_api=True,
     )
 
@@ -471,7 +478,7 @@ def jit_load(src: SourceSet, *, verbose: bool = False, with_cuda: bool | None = 
     cxx, nvcc = src.flags(with_cuda, for_wheel=False)
     build_dir = jit_build_directory(src.name)
     os.environ.setdefault("MAX_JOBS", str(max_jobs()))
-    extra_ldflags = ([f"-L{d}" for d in _wheel_cuda_dirs()[1]] if with_cuda else []) + openmp_flags()[1]
+    extra_ldflags = ([f"-L{d}" for d in _wheel_cuda_dirs()[1]] if with_cuda else []) + link_flags()
     kwargs = dict(
         name=src.name,
         sources=src.sources(with_cuda),
