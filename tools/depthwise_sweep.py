@@ -150,14 +150,21 @@ def main(argv=None) -> int:
         return 2
     shapes = collect_shapes()
     floor = copy_bandwidth_gbs()
-    cases = []
+    cases, errors = [], []
     for key, models in sorted(shapes.items()):
         for n in (int(b) for b in args.batches.split(",")):
             for dtype in (torch.float32, torch.bfloat16):
                 for cl in (False, True):
-                    r = run_case(key, n, dtype, cl)
-                    r["case"] = f"N{n} C{key[0]} {key[1]}x{key[2]} s{key[3]} p{key[4]} m{key[5]} {str(dtype)[6:]} "
-                    r["case"] += ("NHWC" if cl else "NCHW") + f" ({','.join(models)})"
+                    name = f"N{n} C{key[0]} {key[1]}x{key[2]} s{key[3]} p{key[4]} m{key[5]} {str(dtype)[6:]} "
+                    name += ("NHWC" if cl else "NCHW") + f" ({','.join(models)})"
+                    try:
+                        r = run_case(key, n, dtype, cl)
+                    except Exception as exc:  # a failing case is reported, not skipped silently
+                        torch.cuda.synchronize()
+                        errors.append({"case": name, "error": str(exc).splitlines()[0]})
+                        print(f"FAILED {name}: {errors[-1]['error']}", flush=True)
+                        continue
+                    r["case"] = name
                     cases.append(r)
     summary = {
         "shapes": len(shapes),
@@ -165,12 +172,13 @@ def main(argv=None) -> int:
         "forward": summarize(cases, "fwd", floor),
         "backward": summarize(cases, "bwd"),
         "max_rel_err": max(c["max_rel_err"] for c in cases),
+        "failed": errors,
     }
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "cases": cases}, f, indent=1)
-    return 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
