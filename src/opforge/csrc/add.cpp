@@ -1,9 +1,8 @@
 // The add family's home: schemas, shape functions and autograd. Kernels:
 // cpu/add_cpu.cpp, cuda/add.cu (their shared arithmetic: add.h; the one
-// argument check: opforge/elementwise.h check_binary_args). The backward
+// argument check and shape function: opforge/elementwise.h). The backward
 // is an op of its own so that opcheck and torch.compile see it.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/add.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
@@ -32,22 +31,16 @@ using opforge::autograd::Tensors;
 
 // ------------------------------------------------------------ shape functions
 
-// aten's add on meta tensors allocates by the same TensorIterator rules as
-// the kernels (shape, promoted dtype, memory format), symbolic sizes included.
-at::Tensor binary_meta(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
-                       const char* b_name) {
-  opforge::check_binary_args(op, a, a_name, b, b_name);
-  return at::add(a, b);
+at::Tensor add_meta(const at::Tensor& a, const at::Tensor& b) {
+  return opforge::elementwise_meta("opforge.add", {a, b}, {"a", "b"});
 }
 
-at::Tensor add_meta(const at::Tensor& a, const at::Tensor& b) { return binary_meta("opforge.add", a, "a", b, "b"); }
-
 at::Tensor add_relu_meta(const at::Tensor& a, const at::Tensor& b) {
-  return binary_meta("opforge.add_relu", a, "a", b, "b");
+  return opforge::elementwise_meta("opforge.add_relu", {a, b}, {"a", "b"});
 }
 
 at::Tensor add_relu_backward_meta(const at::Tensor& grad, const at::Tensor& result) {
-  return binary_meta("opforge._add_relu_backward", grad, "grad", result, "result");
+  return opforge::elementwise_meta("opforge._add_relu_backward", {grad, result}, {"grad", "result"});
 }
 
 // ------------------------------------------------------------------ autograd
