@@ -141,6 +141,10 @@ def context(spec: Spec) -> dict[str, str]:
             f'ctx->needs_input_grad({k}) ? opforge::autograd::to_input(ctx, "{i}", g) : at::Tensor(),'
             for k, i in enumerate(ins)
         ),
+        "grads_to_inputs_shifted": "\n".join(
+            f'ctx->needs_input_grad({k + 1}) ? opforge::autograd::to_input(ctx, "{i}", g) : at::Tensor(),'
+            for k, i in enumerate(ins)
+        ),
         "grads_list_to_inputs": "\n".join(
             f'ctx->needs_input_grad({k}) ? opforge::autograd::to_input(ctx, "{i}", g[{k}]) : at::Tensor(),'
             for k, i in enumerate(ins)

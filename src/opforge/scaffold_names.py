@@ -61,6 +61,8 @@ RESERVED_ARGS = {
     "g": "a local of the autograd code (the output's gradient)",
     "gg": "a local of the double-backward code",
     "saved": "a local of the autograd code",
+    "all": "a local of the autograd code",
+    "any_input": "a local of the autograd code",
     "result": "a local of the autograd code",
     "below": "a local of the autograd code (the dispatch guard)",
     "handle": "a local of ops.h (the op's handle)",
