@@ -120,7 +120,7 @@ def test_new_renders_a_complete_project_in_the_users_names(kind, tmp_path):
         "tkfiles/reference.py",
         "tkfiles/csrc/schemas.cpp",
         "tkfiles/csrc/module.cpp",
-        "tkfiles/csrc/build_info.cpp",
+        "tkfiles/csrc/build_info.h",
         f"tkfiles/csrc/cpu/{op}.cpp",
         f"tkfiles/csrc/cuda/{op}_cuda.cu",
         f"tkfiles/csrc/{op}_checks.h",
