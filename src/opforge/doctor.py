@@ -4,8 +4,8 @@ Checks the toolchain a build needs (C++ compiler and its C++ standard, nvcc
 against torch's CUDA, CUDA_HOME and headers, ninja, the C++ ABI flag), the
 JIT cache (free disk, stale locks), whether opforge's own kernels load,
 whether a GPU is visible, and, run inside a project made by ``opforge new``,
-whether that project loads with a kernel for every op and backend built. Each check prints OK, WARN or FAIL; every WARN and
-FAIL says what to do. The exit code is 1 when anything FAILed.
+whether that project loads with a kernel for every op and backend built.
+Each check prints OK, WARN or FAIL; every WARN and FAIL says what to do. The exit code is 1 when anything FAILed.
 
 It imports nothing that needs opforge's compiled kernels (the kernel check
 runs in a subprocess), and torch only for the checks that need it: the first
@@ -347,7 +347,8 @@ def check_project():
     """Inside a project made by `opforge new`: its library loads and every op has its kernels."""
     from .doctor_project import check_project as check
 
-    return check()
+    found = check()
+    return Check(*found) if found else None
 
 
 def check_gpu() -> Check:

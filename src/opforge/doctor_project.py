@@ -23,13 +23,15 @@ try:
 except ImportError as exc:
     print("BROKEN", str(exc).replace("\\n", " | "))
     sys.exit(0)
-except Exception as exc:  # a BuildError: the compiler's first error
-    print("BROKEN", type(exc).__name__ + ": " + str(exc).splitlines()[0] + " | " + " | ".join(str(exc).splitlines()[1:3]))
+except Exception as exc:  # a BuildError: its first lines say what failed
+    lines = str(exc).splitlines()
+    print("BROKEN", type(exc).__name__ + ": " + " | ".join(lines[:3]))
     sys.exit(0)
 import torch
-ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("{pkg}::") and n != "{pkg}::_build_info")
+names = torch._C._dispatch_get_all_op_names()
+ops = sorted(n.split("::")[1] for n in names if n.startswith("{pkg}::") and n != "{pkg}::_build_info")
 keys = "CPU, Meta, Autograd" + (", CUDA" if {pkg}.built_with_cuda() else "")
-print("OK", len(ops), "op(s) (" + ", ".join(o.split("::")[1] for o in ops) + ") have " + keys + " kernels; kernels: " + {pkg}.kernels)
+print("OK", len(ops), "op(s) (" + ", ".join(ops) + ") have " + keys + " kernels; kernels: " + {pkg}.kernels)
 """
 
 
@@ -43,10 +45,11 @@ def find_project(start: Path | None = None) -> tuple[Path, str] | None:
     return None
 
 
-def check_project(start: Path | None = None, timeout: float = 900):
-    """A doctor Check for the project around `start`, or None outside one."""
-    from .doctor import FAIL, OK, Check
+OK, FAIL = "OK", "FAIL"  # as opforge.doctor's statuses
 
+
+def check_project(start: Path | None = None, timeout: float = 900) -> tuple[str, str, str, str] | None:
+    """(name, status, detail, fix) of the project around `start` for doctor's report, or None outside one."""
     found = find_project(start)
     if found is None:
         return None
@@ -61,24 +64,22 @@ def check_project(start: Path | None = None, timeout: float = 900):
             timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        return Check(
-            name, FAIL, f"importing {pkg} took over {timeout:.0f} s", f"run `python -c 'import {pkg}'` in {folder}"
-        )
+        return (name, FAIL, f"importing {pkg} took over {timeout:.0f} s", f"run `python -c 'import {pkg}'` in {folder}")
     out = proc.stdout.strip().splitlines()
     last = out[-1] if out else ""
     if proc.returncode != 0 or not last.startswith(("OK", "BROKEN")):
         err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        return Check(
+        return (
             name,
             FAIL,
             f"importing {pkg} failed: {err[-1] if err else '(no output)'}",
             f"run `python -c 'import {pkg}'` in {folder}",
         )
     if last.startswith("BROKEN"):
-        return Check(
+        return (
             name,
             FAIL,
             last.removeprefix("BROKEN "),
             f"fix {folder / pkg / '_build.py'}'s source lists or the TORCH_LIBRARY_IMPL blocks named above",
         )
-    return Check(name, OK, last.removeprefix("OK "))
+    return (name, OK, last.removeprefix("OK "), "")

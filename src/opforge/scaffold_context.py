@@ -65,7 +65,7 @@ def _texts(spec: Spec) -> dict[str, str]:
     total = " + ".join(ins)
     make = "\n".join(f"    {i} = torch.randn(64, 1000)" for i in ins)
     common_rows = [
-        (f"{n}/csrc/{op}_checks.h", "the one argument contract (SymInt-aware), shared by the CPU, CUDA and Meta kernels"),
+        (f"{n}/csrc/{op}_checks.h", "the argument contract (SymInt-aware), shared by the CPU, CUDA and Meta kernels"),
         (f"{n}/csrc/{op}_meta.cpp", "the shape functions (Meta kernels) for torch.compile and opcheck"),
         (f"{n}/csrc/{op}_autograd.cpp", "autograd: a `torch::autograd::Function` per op (Autograd key)"),
         (f"{n}/csrc/{n}/ops.h", "the ops for C++ callers, through the dispatcher"),
@@ -78,7 +78,7 @@ def _texts(spec: Spec) -> dict[str, str]:
         usage = f"{make}\n    y = {n}.{op}({args})   # == {n}.reference.{op}({args})\n"
         usage += f"    layer = {n}.nn.{camel(op)}()   # the same, as an nn.Module"
         rows = common_rows + [
-            (f"{n}/csrc/{op}_functors.h", "the arithmetic (forward and derivatives), shared by CPU and CUDA: edit here"),
+            (f"{n}/csrc/{op}_functors.h", "the arithmetic (f, f', f''), shared by CPU and CUDA: edit here"),
             (f"{n}/csrc/cpu/{op}.cpp", "CPU entry: checks, TensorIterator, picks the ISA"),
             (f"{n}/csrc/cpu/{op}_kernels.h", f"CPU loops (at::vec), built by `{op}_{{default,avx2,avx512}}.cpp`"),
             (f"{n}/csrc/cuda/{op}_cuda.cu", "CUDA kernel (16-byte vector loads, current stream)"),
