@@ -225,3 +225,25 @@ def test_new_next_steps_name_a_python_that_has_torch_and_opforge(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == __import__("torch").__version__
+
+
+def test_listed_sources_that_do_not_exist_are_a_build_error(tmp_path):
+    from opforge import extension
+
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "here.cpp").write_text("")
+    src = extension.SourceSet(
+        name="tk_C",
+        root=tmp_path,
+        cpu_sources=["csrc/here.cpp", "csrc/gone.cpp"],
+        cuda_sources=["csrc/gone_cuda.cu"],
+        defined_in="/p/tk/_build.py",
+    )
+    # CUDA sources too, on a CPU-only build: the mistake shows where it is made.
+    with pytest.raises(extension.BuildError) as info:
+        src.sources(with_cuda=False)
+    message = str(info.value)
+    assert "tk_C: 2 listed source(s) do not exist" in message
+    assert f"csrc/gone.cpp (in cpu_sources of /p/tk/_build.py): no file {tmp_path / 'csrc/gone.cpp'}" in message
+    assert "csrc/gone_cuda.cu (in cuda_sources of /p/tk/_build.py)" in message
+    assert "here.cpp" not in message
