@@ -66,17 +66,110 @@ struct VecIO {
   }
 };
 
-// The elementwise loop below calls an N-ary functor with N values (or N
-// vectors) taken from arrays; these unpack the array into the argument list.
+// op(args[0], ..., args[N-1]) for values, or part `p` of each Pack.
 template <typename Op, typename T, size_t N, size_t... I>
 inline auto apply_n(Op& op, const std::array<T, N>& args, std::index_sequence<I...>) {
   return op(args[I]...);
 }
 
-// Part `p` of each input's Pack (half types load as two float vectors).
 template <typename Op, typename Pack, size_t N, size_t... I>
 inline auto apply_part(Op& op, const std::array<Pack, N>& args, int p, std::index_sequence<I...>) {
   return op(args[I].v[p]...);
+}
+
+// Which inputs of a row are broadcast (stride 0), as a template argument:
+// none, exactly input k (0 <= k < N), or any other mix (kMixed = N).
+// The common patterns (none, one: a bias, a 0-d tensor) then get a loop with
+// no per-input test or extra load; the rest share one loop that reads each
+// input at `base + i * step` (step 0 for broadcast ones). N + 2 copies per
+// op and dtype, not 2^N.
+constexpr int kNoBroadcast = -1;
+
+// One such row; in[k] is input k's row start.
+template <typename scalar_t, int N, int kB, typename ScalarOp, typename VecOp, size_t... I>
+inline void contiguous_row(scalar_t* out, const std::array<const scalar_t*, N>& in, const std::array<int64_t, N>& step,
+                           int64_t n, ScalarOp& sop, VecOp& vop, std::index_sequence<I...> idx) {
+  using IO = VecIO<scalar_t>;
+  using opmath_t = typename IO::opmath_t;
+  constexpr bool kMixed = kB == N;
+  // Element i of input k, as opmath_t; the test on k is resolved at compile time.
+  auto value = [&](auto k, int64_t i) -> opmath_t {
+    if constexpr (static_cast<int>(decltype(k)::value) == kB) return static_cast<opmath_t>(in[k][0]);
+    if constexpr (kMixed) return static_cast<opmath_t>(in[k][i * step[k]]);
+    return static_cast<opmath_t>(in[k][i]);
+  };
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512) || !(defined(__x86_64__) || defined(_M_X64))
+  // (On x86 without AVX, at::vec's portable fallback emulates vectors element
+  // by element and is far slower than the plain loop below, which the
+  // compiler vectorises for SSE2; there only that loop runs.)
+  using Pack = typename IO::Pack;
+  constexpr int64_t W = IO::kWidth;
+  Pack bc{};  // the broadcast input's value, for kB < N
+  if constexpr (kB >= 0 && !kMixed) bc = IO::broadcast(in[kB][0]);
+  auto vector = [&](auto k, int64_t at) -> Pack {
+    if constexpr (static_cast<int>(decltype(k)::value) == kB) return bc;
+    return IO::load(in[k] + at);
+  };
+  // A broadcast input of a mixed row is read one vector at a time from a
+  // buffer of its value repeated (step 0): `row` points there.
+  std::array<const scalar_t*, N> row = in;
+  alignas(64) scalar_t repeated[kMixed ? N : 1][W];
+  if constexpr (kMixed) {
+    for (int k = 0; k < N; ++k) {
+      if (step[k] == 0) {
+        std::fill(repeated[k], repeated[k] + W, in[k][0]);
+        row[k] = repeated[k];
+      }
+    }
+  }
+  auto load_all = [&](int64_t at) -> std::array<Pack, N> {
+    if constexpr (kMixed) {
+      return {IO::load(row[I] + at * step[I])...};
+    } else {
+      return {vector(std::integral_constant<size_t, I>{}, at)...};
+    }
+  };
+  for (; i + W <= n; i += W) {
+    const std::array<Pack, N> x = load_all(i);
+    Pack r;
+    for (int p = 0; p < IO::kParts; ++p) r.v[p] = apply_part(vop, x, p, idx);
+    IO::store(out + i, r);
+  }
+#else
+  (void)vop;
+#endif
+  for (; i < n; ++i) {
+    const std::array<opmath_t, N> x{value(std::integral_constant<size_t, I>{}, i)...};
+    out[i] = static_cast<scalar_t>(apply_n(sop, x, idx));
+  }
+}
+
+// m rows of n elements with a contiguous output, each input contiguous
+// (step 1) or broadcast (step 0) along the rows; the broadcast pattern is a
+// template argument, chosen once per 2-d chunk.
+template <typename scalar_t, int N, int kB, typename ScalarOp, typename VecOp, size_t... I>
+inline void contiguous_rows(char** data, const int64_t* strides, int64_t n, int64_t m,
+                            const std::array<int64_t, N>& step, ScalarOp& sop, VecOp& vop,
+                            std::index_sequence<I...> idx) {
+  for (int64_t j = 0; j < m; ++j) {
+    auto* out = reinterpret_cast<scalar_t*>(data[0] + j * strides[N + 1]);
+    const std::array<const scalar_t*, N> in{reinterpret_cast<const scalar_t*>(data[1 + I] + j * strides[N + 2 + I])...};
+    contiguous_row<scalar_t, N, kB>(out, in, step, n, sop, vop, idx);
+  }
+}
+
+// contiguous_rows with kB = the broadcast pattern `b` (a run-time value).
+template <typename scalar_t, int N, typename ScalarOp, typename VecOp, size_t... I>
+inline void contiguous_rows_for(int b, char** data, const int64_t* strides, int64_t n, int64_t m,
+                                const std::array<int64_t, N>& step, ScalarOp& sop, VecOp& vop,
+                                std::index_sequence<I...> idx) {
+  if (b == kNoBroadcast) return contiguous_rows<scalar_t, N, kNoBroadcast>(data, strides, n, m, step, sop, vop, idx);
+  if (b == N) return contiguous_rows<scalar_t, N, N>(data, strides, n, m, step, sop, vop, idx);
+  // b is one input: the matching one of the N instantiations.
+  (void)((b == static_cast<int>(I) &&
+          (contiguous_rows<scalar_t, N, static_cast<int>(I)>(data, strides, n, m, step, sop, vop, idx), true)) ||
+         ...);
 }
 
 // One TensorIterator 2-d chunk of out = op(in_0, ..., in_{N-1}) (operand 0
@@ -85,87 +178,37 @@ inline auto apply_part(Op& op, const std::array<Pack, N>& args, int p, std::inde
 //
 // Vectorized when the output is contiguous and every input is contiguous or
 // a broadcast scalar (stride 0) along the inner dimension; a scalar loop
-// over the byte strides otherwise. A broadcast input is read, in the vector
-// loop, from a small buffer of its value repeated one vector long, so one
-// branch-free instantiation serves every mix of contiguous and broadcast
-// inputs (2^N specialisations would cost compile time, and the extra load
-// hits L1). sop takes N opmath_t values, vop N at::vec::Vectorized<opmath_t>.
+// over the byte strides otherwise. sop takes N opmath_t values, vop N
+// at::vec::Vectorized<opmath_t>; both must compute the same function.
 template <typename scalar_t, int N, typename ScalarOp, typename VecOp>
 void elementwise_loop2d(char** data, const int64_t* strides, int64_t n, int64_t m, ScalarOp sop, VecOp vop) {
   static_assert(N >= 1, "an elementwise op needs at least one input");
-  using IO = VecIO<scalar_t>;
-  using opmath_t = typename IO::opmath_t;
-  using Pack = typename IO::Pack;
+  using opmath_t = at::opmath_type<scalar_t>;
   constexpr int64_t s = sizeof(scalar_t);
-  constexpr int64_t W = IO::kWidth;
   constexpr auto idx = std::make_index_sequence<N>{};
   constexpr int NT = N + 1;  // tensors: the output, then the inputs
   bool vectorized = strides[0] == s;
-  for (int k = 1; k < NT; ++k) vectorized = vectorized && (strides[k] == s || strides[k] == 0);
+  std::array<int64_t, N> step;  // element steps of the inputs along a row: 1 or 0
+  int broadcast = kNoBroadcast, n_broadcast = 0;
+  for (int k = 0; k < N; ++k) {
+    vectorized = vectorized && (strides[1 + k] == s || strides[1 + k] == 0);
+    step[k] = strides[1 + k] == 0 ? 0 : 1;
+    if (step[k] == 0) {
+      broadcast = k;
+      ++n_broadcast;
+    }
+  }
+  if (n_broadcast > 1) broadcast = N;
+  if (vectorized) return contiguous_rows_for<scalar_t, N>(broadcast, data, strides, n, m, step, sop, vop, idx);
   for (int64_t j = 0; j < m; ++j) {
     char* po = data[0] + j * strides[NT];
     std::array<const char*, N> in;
     for (int k = 0; k < N; ++k) in[k] = data[1 + k] + j * strides[NT + 1 + k];
-    if (!vectorized) {
-      for (int64_t i = 0; i < n; ++i) {
-        std::array<opmath_t, N> x;
-        for (int k = 0; k < N; ++k) x[k] = *reinterpret_cast<const scalar_t*>(in[k] + i * strides[1 + k]);
-        *reinterpret_cast<scalar_t*>(po + i * strides[0]) = static_cast<scalar_t>(apply_n(sop, x, idx));
-      }
-      continue;
-    }
-    auto* out = reinterpret_cast<scalar_t*>(po);
-    // Element steps (1 or 0) of each input, for the scalar tail.
-    std::array<int64_t, N> step;
-    for (int k = 0; k < N; ++k) step[k] = strides[1 + k] == 0 ? 0 : 1;
-    auto scalar_at = [&](int64_t i) {
+    for (int64_t i = 0; i < n; ++i) {
       std::array<opmath_t, N> x;
-      for (int k = 0; k < N; ++k) x[k] = reinterpret_cast<const scalar_t*>(in[k])[i * step[k]];
-      return static_cast<scalar_t>(apply_n(sop, x, idx));
-    };
-    int64_t i = 0;
-#if !defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512) && (defined(__x86_64__) || defined(_M_X64))
-    // at::vec's portable x86 fallback emulates vectors element by element and
-    // is far slower than a plain loop the compiler vectorises for SSE2 (which
-    // it does when no input is broadcast: the steps are then known).
-    bool all_contiguous = true;
-    for (int k = 0; k < N; ++k) all_contiguous = all_contiguous && step[k] == 1;
-    if (all_contiguous) {
-      for (; i < n; ++i) {
-        std::array<opmath_t, N> x;
-        for (int k = 0; k < N; ++k) x[k] = reinterpret_cast<const scalar_t*>(in[k])[i];
-        out[i] = static_cast<scalar_t>(apply_n(sop, x, idx));
-      }
+      for (int k = 0; k < N; ++k) x[k] = *reinterpret_cast<const scalar_t*>(in[k] + i * strides[1 + k]);
+      *reinterpret_cast<scalar_t*>(po + i * strides[0]) = static_cast<scalar_t>(apply_n(sop, x, idx));
     }
-    for (; i < n; ++i) out[i] = scalar_at(i);
-    (void)vop;
-    continue;
-#endif
-    alignas(64) scalar_t repeated[N][W];
-    std::array<const scalar_t*, N> vp;  // where each input's next vector is read
-    std::array<int64_t, N> vstep;
-    for (int k = 0; k < N; ++k) {
-      const auto* p = reinterpret_cast<const scalar_t*>(in[k]);
-      if (step[k] == 0) {
-        std::fill(repeated[k], repeated[k] + W, p[0]);
-        vp[k] = repeated[k];
-        vstep[k] = 0;
-      } else {
-        vp[k] = p;
-        vstep[k] = W;
-      }
-    }
-    for (; i + W <= n; i += W) {
-      std::array<Pack, N> x;
-      for (int k = 0; k < N; ++k) {
-        x[k] = IO::load(vp[k]);
-        vp[k] += vstep[k];
-      }
-      Pack r;
-      for (int p = 0; p < IO::kParts; ++p) r.v[p] = apply_part(vop, x, p, idx);
-      IO::store(out + i, r);
-    }
-    for (; i < n; ++i) out[i] = scalar_at(i);
   }
 }
 
