@@ -34,7 +34,7 @@ def _cmd_new(args) -> int:
     from . import scaffold
 
     try:
-        dest = scaffold.create(args.name, args.dir, args.kind)
+        dest = scaffold.create(args.name, args.dir, args.kind, op=args.op, inputs=args.inputs, outputs=args.outputs)
     except scaffold.ScaffoldError as exc:
         print(f"opforge new: {exc}", file=sys.stderr)
         return 2
@@ -76,10 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="where to create it (default: ./NAME); must be empty or absent")
     p.add_argument(
         "--kind",
-        choices=["elementwise", "rowwise"],
+        choices=["elementwise", "rowwise", "blank"],
         default="elementwise",
-        help="elementwise: a fused binary op (add_relu); rowwise: a row reduction (softmax)",
+        help="elementwise: relu of the sum of broadcast inputs, fused (default op add_relu, inputs a,b); "
+        "rowwise: softmax over the last dim (softmax, x); blank: everything but the kernel bodies (my_op, x)",
     )
+    p.add_argument("--op", default=None, help="the op's name (a lowercase identifier; default per --kind)")
+    p.add_argument("--inputs", default=None, help="its tensor inputs, comma-separated, e.g. x,bias")
+    p.add_argument("--outputs", default=None, help="its output's name (default out)")
     p.set_defaults(func=_cmd_new)
 
     p = sub.add_parser("doctor", help="check the toolchain a build needs and say how to fix what is missing")

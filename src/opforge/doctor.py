@@ -2,9 +2,10 @@
 
 Checks the toolchain a build needs (C++ compiler and its C++ standard, nvcc
 against torch's CUDA, CUDA_HOME and headers, ninja, the C++ ABI flag), the
-JIT cache (free disk, stale locks), whether opforge's own kernels load, and
-whether a GPU is visible. Each check prints OK, WARN or FAIL; every WARN and
-FAIL says what to do. The exit code is 1 when anything FAILed.
+JIT cache (free disk, stale locks), whether opforge's own kernels load,
+whether a GPU is visible, and, run inside a project made by ``opforge new``,
+whether that project loads with a kernel for every op and backend built.
+Each check prints OK, WARN or FAIL; every WARN and FAIL says what to do. The exit code is 1 when anything FAILed.
 
 It imports nothing that needs opforge's compiled kernels (the kernel check
 runs in a subprocess), and torch only for the checks that need it: the first
@@ -342,6 +343,14 @@ def check_kernels(timeout: float = 600) -> Check:
     return Check("opforge kernels", OK, info)
 
 
+def check_project():
+    """Inside a project made by `opforge new`: its library loads and every op has its kernels."""
+    from .doctor_project import check_project as check
+
+    found = check()
+    return Check(*found) if found else None
+
+
 def check_gpu() -> Check:
     import torch
 
@@ -369,7 +378,19 @@ def check_gpu() -> Check:
 
 
 # Every check in the order it runs; the names align the report's columns.
-CHECKS = ("compiler", "nvcc", "cuda_home", "cuda_headers", "ninja", "abi", "disk", "jit_cache", "kernels", "gpu")
+CHECKS = (
+    "compiler",
+    "nvcc",
+    "cuda_home",
+    "cuda_headers",
+    "ninja",
+    "abi",
+    "disk",
+    "jit_cache",
+    "kernels",
+    "gpu",
+    "project",
+)
 _WIDTH = len("opforge kernels")  # the longest check name
 
 
@@ -380,7 +401,9 @@ def iter_checks(check_kernels_too: bool = True):
             continue
         fn = globals()[f"check_{key}"]  # looked up at run time: tests replace single checks
         try:
-            yield fn()
+            result = fn()
+            if result is not None:  # None: the check does not apply here (project: not inside one)
+                yield result
         except Exception as exc:  # a broken check is itself a finding
             yield Check(
                 key,

@@ -286,9 +286,13 @@ class SourceSet:
     cxx_flags: list[str] = dataclasses.field(default_factory=list)
     nvcc_flags: list[str] = dataclasses.field(default_factory=list)
     cuda_env_var: str = "OPFORGE_CUDA"
+    # The file that defines this SourceSet (a project's _build.py), named in
+    # the error when a listed source is missing.
+    defined_in: str | None = None
 
     def sources(self, with_cuda: bool) -> list[str]:
         files = list(self.cpu_sources) + (list(self.cuda_sources) if with_cuda else [])
+        self.check_sources_exist()
         # The JIT build puts every object file in one folder, named after the
         # source's file name: two sources called add.cpp would collide.
         seen: dict[str, str] = {}
@@ -298,6 +302,22 @@ class SourceSet:
                 raise ValueError(f"{self.name}: sources {seen[obj]} and {f} share a file name; rename one")
             seen[obj] = f
         return [str(Path(self.root) / f) for f in files]
+
+    def check_sources_exist(self) -> None:
+        """Raise BuildError naming each listed source that does not exist and
+        its list (a file renamed or removed but still listed): without this,
+        the compiler's "No such file" or a raw FileNotFoundError is all one
+        gets. CUDA sources are checked on a CPU-only build too, so the mistake
+        shows where it is made, not first on a GPU machine."""
+        lists = [("cpu_sources", self.cpu_sources), ("cuda_sources", self.cuda_sources)]
+        missing = [(f, field) for field, files in lists for f in files if not (Path(self.root) / f).is_file()]
+        if missing:
+            where = f" of {self.defined_in}" if self.defined_in else ""
+            lines = [f"  {f} (in {field}{where}): no file {Path(self.root) / f}" for f, field in missing]
+            raise BuildError(
+                f"{self.name}: {len(missing)} listed source(s) do not exist; fix the list or restore the file:\n"
+                + "\n".join(lines)
+            )
 
     def all_files(self) -> list[Path]:
         """Every source and header under the source folders (for change detection)."""
@@ -398,7 +418,8 @@ def setup_extension(src: SourceSet, module_name: str):
 
 
 class BuildError(RuntimeError):
-    """A JIT build failed; the message carries the compiler's own output."""
+    """A build failed (the message starts with the compiler's first error) or
+    cannot start (a listed source does not exist: the message names it and its list)."""
 
 
 def jit_build_directory(name: str) -> Path:

@@ -9,31 +9,18 @@ tests and benchmark run on the first try, on a CPU-only machine too.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import keyword
 import re
 import shlex
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
+from . import scaffold_context, scaffold_names
+from .scaffold_names import CXX_KEYWORDS
 
-# C++20 keywords and alternative tokens: NAME is also the project's C++
-# namespace and TORCH_LIBRARY name, so none of these compiles.
-CXX_KEYWORDS = frozenset(
-    """
-    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t
-    class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
-    decltype default delete do double dynamic_cast else enum explicit export extern false float for friend
-    goto if inline int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private
-    protected public register reinterpret_cast requires return short signed sizeof static static_assert
-    static_cast struct switch template this thread_local throw true try typedef typeid typename union
-    unsigned using virtual void volatile wchar_t while xor xor_eq
-""".split()
-)
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 # C++ namespaces of the headers the project compiles against: `namespace at`
 # in the project would add its functions to ATen's (at::softmax exists).
@@ -47,66 +34,6 @@ CXX_NAMESPACES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Kind:
-    op: str
-    exports: tuple[str, ...]
-    summary: str
-    usage: str
-    file_rows: str
-
-
-KINDS = {
-    "elementwise": Kind(
-        op="add_relu",
-        exports=("add_relu",),
-        summary="A fused elementwise op: add_relu(a, b) = relu(a + b) in one kernel, with a fused backward.",
-        usage=(
-            "    a, b = torch.randn(1000), torch.randn(1000)\n"
-            "    y = {name}.add_relu(a, b)           # == torch.relu(a + b)\n"
-            "    act = {name}.nn.AddReLU()           # the same, as an nn.Module"
-        ),
-        file_rows=(
-            "| `{name}/csrc/add_relu_checks.h` | the one argument contract (SymInt-aware), "
-            "shared by the CPU, CUDA and Meta kernels |\n"
-            "| `{name}/csrc/add_relu_meta.cpp` | the shape functions (Meta kernels) for torch.compile and opcheck |\n"
-            "| `{name}/csrc/add_relu_autograd.cpp` | autograd: a `torch::autograd::Function` per op "
-            "(Autograd key) |\n"
-            "| `{name}/csrc/{name}/ops.h` | the ops for C++ callers, through the dispatcher |\n"
-            "| `{name}/csrc/cpu/add_relu.cpp` | CPU entry: checks, flat loop or TensorIterator, picks the ISA |\n"
-            "| `{name}/csrc/cpu/add_relu_kernels.h` | CPU loops (at::vec), "
-            "built by `add_relu_{{default,avx2,avx512}}.cpp` |\n"
-            "| `{name}/csrc/cuda/add_relu_cuda.cu` | CUDA kernel (16-byte vector loads, current stream) |\n"
-            "| `{name}/csrc/add_relu_functors.h` | the arithmetic, shared by CPU and CUDA |"
-        ),
-    ),
-    "rowwise": Kind(
-        op="softmax",
-        exports=("softmax",),
-        summary=(
-            "A row reduction: softmax over the last dimension, computed in float32 for half types, with its backward."
-        ),
-        usage=(
-            "    x = torch.randn(64, 1000)\n"
-            "    y = {name}.softmax(x)               # == torch.softmax(x, dim=-1)\n"
-            "    layer = {name}.nn.Softmax()         # the same, as an nn.Module"
-        ),
-        file_rows=(
-            "| `{name}/csrc/softmax_checks.h` | the one argument contract (SymInt-aware), "
-            "shared by the CPU, CUDA and Meta kernels |\n"
-            "| `{name}/csrc/softmax_meta.cpp` | the shape functions (Meta kernels) for torch.compile and opcheck |\n"
-            "| `{name}/csrc/softmax_autograd.cpp` | autograd: a `torch::autograd::Function` per op "
-            "(Autograd key) |\n"
-            "| `{name}/csrc/{name}/ops.h` | the ops for C++ callers, through the dispatcher |\n"
-            "| `{name}/csrc/cpu/softmax.cpp` | CPU entry: checks, rows, picks the ISA |\n"
-            "| `{name}/csrc/cpu/softmax_kernels.h` | CPU row loops (at::vec, at::parallel_for), "
-            "built by `softmax_{{default,avx2,avx512}}.cpp` |\n"
-            "| `{name}/csrc/cuda/softmax_cuda.cu` | CUDA kernel (one block per row, block reductions) |"
-        ),
-    ),
-}
-
-
 class ScaffoldError(ValueError):
     pass
 
@@ -114,7 +41,7 @@ class ScaffoldError(ValueError):
 def _project_folders() -> dict[str, str]:
     """Top-level folders of every generated project that a package NAME/ would collide with."""
     folders = {}
-    for kind in KINDS:
+    for kind in scaffold_context.KINDS:
         for rel in _files(kind):
             if len(rel.parts) > 1 and rel.parts[0] != "__name__":
                 folders[rel.parts[0]] = (
@@ -191,22 +118,20 @@ def validate_name(name: str) -> None:
         )
 
 
-def _context(name: str, kind: Kind) -> dict[str, str]:
-    return {
-        "name": name,
-        "NAME": name.upper(),
-        "op": kind.op,
-        "summary": kind.summary,
-        "usage": kind.usage.format(name=name),
-        "usage_block": textwrap.dedent(kind.usage.format(name=name)),
-        "file_rows": kind.file_rows.format(name=name),
-        "exports": ", ".join(kind.exports),
-        "exports_quoted": ", ".join(f'"{e}"' for e in kind.exports),
-    }
-
-
 def render(text: str, ctx: dict[str, str]) -> str:
-    out = re.sub(r"\{\{(\w+)\}\}", lambda m: ctx[m.group(1)] if m.group(1) in ctx else m.group(0), text)
+    """Fill ``{{key}}`` placeholders. A placeholder alone on its line takes a
+    multi-line value with that line's indentation on every line (lists of
+    per-input statements); an empty value removes the line."""
+
+    def whole_line(m: re.Match) -> str:
+        indent, key = m.group(1), m.group(2)
+        if key not in ctx:
+            return m.group(0)
+        lines = ctx[key].splitlines()
+        return "".join(f"{indent}{ln}\n" if ln else "\n" for ln in lines)
+
+    out = re.sub(r"^([ \t]*)\{\{(\w+)\}\}[ \t]*\n", whole_line, text, flags=re.M)
+    out = re.sub(r"\{\{(\w+)\}\}", lambda m: ctx[m.group(1)] if m.group(1) in ctx else m.group(0), out)
     leftover = re.search(r"\{\{\w+\}\}", out)
     if leftover:
         raise ScaffoldError(f"template placeholder {leftover.group(0)} has no value")
@@ -214,7 +139,7 @@ def render(text: str, ctx: dict[str, str]) -> str:
 
 
 def _files(kind: str) -> dict[Path, Path]:
-    """Relative output path (still with ``__name__``) -> template file; the kind's files win."""
+    """Relative output path (still with ``__name__``/``__op__``) -> template file; the kind's files win."""
     files: dict[Path, Path] = {}
     for folder in (TEMPLATES / "common", TEMPLATES / kind):
         for f in sorted(folder.rglob("*.tmpl")):
@@ -222,21 +147,52 @@ def _files(kind: str) -> dict[Path, Path]:
     return files
 
 
-def create(name: str, directory: str | Path | None = None, kind: str = "elementwise") -> Path:
+def resolve(name: str, kind: str, op=None, inputs=None, outputs=None) -> scaffold_context.Spec:
+    """Check every name and fill in the kind's defaults; raises ScaffoldError saying what is wrong."""
+    validate_name(name)
+    if kind not in scaffold_context.KINDS:
+        raise ScaffoldError(f"--kind must be one of {', '.join(scaffold_context.KINDS)}, got {kind!r}")
+    default = scaffold_context.KINDS[kind]
+    try:
+        input_list = scaffold_names.split_list(inputs, "--inputs") or list(default.inputs)
+        output_list = scaffold_names.split_list(outputs, "--outputs") or ["out"]
+        if len(output_list) != 1:
+            raise scaffold_names.NameError_(
+                f"--outputs: the {kind} kind makes ops with one output tensor, got {len(output_list)} "
+                f"({', '.join(output_list)}); an op with several outputs starts from --kind blank and "
+                f"changes its schema"
+            )
+        spec = scaffold_context.Spec(name, kind, op or default.op, tuple(input_list), output_list[0])
+        scaffold_names.validate_op(name, spec.op, list(spec.inputs), spec.output)
+    except scaffold_names.NameError_ as exc:
+        raise ScaffoldError(str(exc)) from None
+    return spec
+
+
+def create(
+    name: str,
+    directory: str | Path | None = None,
+    kind: str = "elementwise",
+    op: str | None = None,
+    inputs: str | list[str] | None = None,
+    outputs: str | list[str] | None = None,
+) -> Path:
     """Write the project for op package ``name`` into ``directory`` (default ``./name``).
 
-    Refuses an existing non-empty folder. Returns the project folder.
+    ``op`` names the op (default per kind: add_relu, softmax, my_op), ``inputs``
+    its tensor inputs ("x,bias" or a list; default a,b / x / x), ``outputs``
+    its one output (default "out"). Refuses an existing non-empty folder and
+    any name that would not work, before writing anything. Returns the
+    project folder.
     """
-    validate_name(name)
-    if kind not in KINDS:
-        raise ScaffoldError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    spec = resolve(name, kind, op, inputs, outputs)
     dest = Path(directory) if directory is not None else Path.cwd() / name
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ScaffoldError(f"{dest} exists and is not empty; choose another --dir (nothing was written)")
-    ctx = _context(name, KINDS[kind])
+    ctx = scaffold_context.context(spec)
     rendered = {}
     for rel, template in _files(kind).items():
-        parts = [name if p == "__name__" else p for p in rel.parts]
+        parts = [name if p == "__name__" else p.replace("__op__", spec.op) for p in rel.parts]
         if parts[-1] == "gitignore":
             parts[-1] = ".gitignore"
         rendered[Path(*parts)] = render(template.read_text(), ctx)
