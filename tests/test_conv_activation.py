@@ -33,6 +33,15 @@ def _geometry(kind, c):
     return groups, k
 
 
+def _operands(kind, dtype, device, channels_last, c=8):
+    """(groups, x, weight, bias) of a small conv of `kind`: x (2, c, 11, 10)."""
+    groups, k = _geometry(kind, c)
+    x = rand((2, c, 11, 10), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    return groups, x, rand((k, c // groups, 3, 3), dtype, device), rand((k,), dtype, device)
+
+
 def _pre_activation(x, w, b, stride, padding, groups):
     bb = None if b is None else b.double().cpu()
     return F.conv2d(x.double().cpu(), w.double().cpu(), bb, stride, padding, 1, groups)
@@ -66,12 +75,7 @@ def check_forward(x, w, b, stride, padding, groups, activation):
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward(activation, kind, stride, padding, channels_last, dtype, device):
-    c = 8
-    groups, k = _geometry(kind, c)
-    x = rand((2, c, 11, 10), dtype, device)
-    if channels_last:
-        x = x.to(memory_format=torch.channels_last)
-    w, b = rand((k, c // groups, 3, 3), dtype, device), rand((k,), dtype, device)
+    groups, x, w, b = _operands(kind, dtype, device, channels_last)
     check_forward(x, w, b, stride, padding, groups, activation)
     check_forward(x, w, None, stride, padding, groups, activation)
 
@@ -150,12 +154,7 @@ def _reference_grads(x, w, b, stride, padding, groups, activation, g):
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backward(activation, kind, stride, channels_last, dtype, device):
-    c = 8
-    groups, k = _geometry(kind, c)
-    x = rand((2, c, 11, 10), dtype, device)
-    if channels_last:
-        x = x.to(memory_format=torch.channels_last)
-    w, b = rand((k, c // groups, 3, 3), dtype, device), rand((k,), dtype, device)
+    groups, x, w, b = _operands(kind, dtype, device, channels_last)
     x1, w1, b1 = (t.detach().clone().requires_grad_() for t in (x, w, b))
     out = opforge.conv2d_3x3(x1, w1, b1, stride, 1, groups, activation)
     g = rand(out.shape, dtype, device)
@@ -167,7 +166,8 @@ def test_backward(activation, kind, stride, channels_last, dtype, device):
         atol, rtol = 1e-3, 1e-3
     # grad z is rounded to the dtype before the convolution's sums (as torch's
     # activation backward followed by its conv backward does).
-    for ours, theirs, terms in ((x1.grad, refs[0], 9 * k // groups), (w1.grad, refs[1], 220), (b1.grad, refs[2], 220)):
+    terms_x = 9 * w.shape[0] // groups
+    for ours, theirs, terms in ((x1.grad, refs[0], terms_x), (w1.grad, refs[1], 220), (b1.grad, refs[2], 220)):
         assert ours.dtype == dtype and ours.shape == theirs.shape
         torch.testing.assert_close(ours.cpu().double(), theirs, atol=atol * math.sqrt(terms), rtol=rtol)
 

@@ -68,13 +68,16 @@ class ConvCandidate:
         return layer.train(c.training)
 
 
+def _layout(x: torch.Tensor) -> str:
+    return "cl" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "nchw"
+
+
 def _key(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor) -> tuple:
     c = candidate.conv
-    fmt = "cl" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "nchw"
     return (
         str(x.device),
         x.dtype,
-        fmt,
+        _layout(x),
         tuple(x.shape),
         tuple(c.weight.shape),
         c.bias is not None,
@@ -107,8 +110,7 @@ def folding_pays(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, folded: torch.
     Folding removes the BatchNorm's pass but gives the conv a bias, which some
     engines add as a pass of its own: it is kept unless it measures more than
     the margin slower."""
-    fmt = "cl" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "nchw"
-    key = ("fold", str(x.device), x.dtype, fmt, tuple(x.shape), tuple(conv.weight.shape), conv.bias is not None)
+    key = ("fold", str(x.device), x.dtype, _layout(x), tuple(x.shape), tuple(conv.weight.shape), conv.bias is not None)
     key += (tuple(conv.stride), str(conv.padding), tuple(conv.dilation), conv.groups, conv.padding_mode)
     if key in _cache:
         return _cache[key]
