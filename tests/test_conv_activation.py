@@ -1,14 +1,8 @@
 """conv2d_3x3's fused activations: relu6, hardswish and silu (relu: test_conv.py).
 
-Bounds: the pre-activation z = conv(x, w) + b is a sum of 9*C/groups products
-in opmath, so its error is at most sum|x||w| * (product error + (terms + 1)
-unit roundoffs), the worst-case bound of a sequential sum; a path that rounds z
-to the dtype before the activation (cuDNN, then the activation) adds z's own
-rounding, and a bias added after the convolution's rounding one more. The
-activation is Lipschitz with constant 1.5 at most (hardswish's slope at 3),
-and the output is rounded once more. The reference is float64 on
-the CPU. Gradients: the derivative is taken at opforge's own z (or output)
-in float64, so a value right at a kink cannot flip the comparison.
+Forward bounds: conv_bounds.py. Gradients: the derivative is taken at
+opforge's own z (or output) in float64, so a value right at a kink cannot
+flip the comparison.
 """
 
 import math
@@ -16,15 +10,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conv_bounds import TORCH_ACT, assert_fused_conv_close, pre_activation
 from reference import DTYPES, TOLERANCES, poisoned, rand
 
 import opforge
 
 ACTIVATIONS = ["relu6", "hardswish", "silu"]
-TORCH_ACT = {"relu": F.relu, "relu6": F.relu6, "hardswish": F.hardswish, "silu": F.silu}
-LIPSCHITZ = 1.5
-UNIT = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-TF32_PRODUCT_ERR = 2.0**-10 + 2.0**-20
 
 
 def _geometry(kind, c):
@@ -42,30 +33,11 @@ def _operands(kind, dtype, device, channels_last, c=8):
     return groups, x, rand((k, c // groups, 3, 3), dtype, device), rand((k,), dtype, device)
 
 
-def _pre_activation(x, w, b, stride, padding, groups):
-    bb = None if b is None else b.double().cpu()
-    return F.conv2d(x.double().cpu(), w.double().cpu(), bb, stride, padding, 1, groups)
-
-
 def check_forward(x, w, b, stride, padding, groups, activation):
     with poisoned(x.device):
         out = opforge.conv2d_3x3(x, w, b, stride, padding, groups, activation)
-    z = _pre_activation(x, w, b, stride, padding, groups)
-    ref = TORCH_ACT[activation](z)
-    assert out.dtype == x.dtype and out.shape == ref.shape
-    absb = None if b is None else b.double().cpu().abs()
-    absz = F.conv2d(x.double().cpu().abs(), w.double().cpu().abs(), absb, stride, padding, 1, groups)
-    opmath = torch.float64 if x.dtype == torch.float64 else torch.float32
-    terms = 9 * w.shape[1] + 1
     tf32 = x.device.type == "cuda" and x.dtype == torch.float32 and groups == 1 and torch.backends.cudnn.allow_tf32
-    product = TF32_PRODUCT_ERR if tf32 else 0.0
-    # A path that adds the bias to the convolution's rounded result rounds twice.
-    z_err = absz * (product + terms * UNIT[opmath] + UNIT[x.dtype]) + z.abs() * UNIT[x.dtype]
-    # silu's exp in opmath: a few unit roundoffs of the output besides its rounding.
-    bound = LIPSCHITZ * z_err + ref.abs() * (UNIT[x.dtype] + 8 * UNIT[opmath]) + 1e-300
-    err = (out.cpu().double() - ref).abs()
-    assert not torch.isnan(out).any()
-    assert (err <= bound).all(), f"{activation}: max err/bound {(err / bound).max().item():.3f}"
+    assert_fused_conv_close(out, x, w, b, stride, padding, groups, activation, tf32)
     return out
 
 
@@ -113,7 +85,7 @@ def test_cuda_dense_tensor_core_engine(activation, dtype, channels_last, monkeyp
     w, b = rand((32, 16, 3, 3), dtype, "cuda"), rand((32,), dtype, "cuda")
     check_forward(x, w, b, 1, 1, 1, activation)
     got = torch.ops.opforge_bench.conv_dense_mma(x, w, b, 1, 1, False)
-    z = _pre_activation(x, w, b, 1, 1, 1)
+    z = pre_activation(x, w, b, 1, 1, 1)
     torch.testing.assert_close(got.cpu().double(), z, atol=TOLERANCES[dtype][0] * 12, rtol=TOLERANCES[dtype][1])
 
 

@@ -58,13 +58,16 @@ FUSED = {
 
 @pytest.mark.parametrize("name", list(FUSED))
 def test_forced_replacement_keeps_outputs(name):
-    """Every 3x3 conv opforge has a kernel for runs opforge's fused kernel: same outputs."""
+    """Every 3x3 and 1x1 conv opforge has a kernel for runs opforge's fused kernel: same outputs."""
     model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=10)).eval()
     x = torch.randn(2, 3, 64, 64)
     fast, report = opforge.optimize(model, report=True, force=True)
     ours = [m for m in fast.modules() if isinstance(m, opforge.nn.Conv2d3x3)]
     n3x3 = sum(isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3) for m in model.modules())
     assert len(ours) == n3x3, str(report)
+    pointwise = [m for m in fast.modules() if isinstance(m, opforge.nn.Conv2d1x1)]
+    n1x1 = sum(isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1) and m.groups == 1 for m in model.modules())
+    assert len(pointwise) == n1x1 > 0, str(report)
     if FUSED[name]:
         assert any(m.activation == FUSED[name] for m in ours), str(report)
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules())
@@ -91,6 +94,22 @@ def test_training_fuses_activation_and_trains_the_same(act):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("act", [torch.nn.ReLU6, torch.nn.SiLU])
+def test_pointwise_convs_fuse_and_train_the_same(act):
+    """1x1 convs (groups 1, no padding) fuse their activation too, in training mode as in eval."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 1), act(), torch.nn.Conv2d(8, 16, 1, stride=2), act()).train()
+    fast, report = opforge.optimize(model, report=True, force=True)
+    assert [type(m) for m in fast] == [opforge.nn.Conv2d1x1, torch.nn.Identity] * 2, str(report)
+    assert all("opforge conv2d_1x1" in r.action for r in report.layers), str(report)
+    x = torch.randn(2, 3, 16, 16)
+    for m in (model, fast):
+        torch.optim.SGD(m.parameters(), lr=0.1).zero_grad()
+        m(x).square().mean().backward()
+    for p, q in zip(model.parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4)
+
+
 def test_optimized_model_exports():
     model = randomize_batchnorm(torchvision.models.mobilenet_v3_small(num_classes=10)).eval()
     fast = opforge.optimize(model, force=True)
@@ -98,6 +117,7 @@ def test_optimized_model_exports():
     ep = torch.export.export(fast, (x,))
     ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert any("opforge.conv2d_3x3" in o for o in ops), ops
+    assert any("opforge.conv2d_1x1" in o for o in ops), ops
     with torch.no_grad():
         torch.testing.assert_close(ep.module()(x), fast(x))
 
@@ -138,11 +158,14 @@ def test_layers_opforge_has_no_kernel_for_are_left_alone():
         torch.nn.Conv2d(8, 8, 5, padding=2),
         torch.nn.Conv2d(8, 8, 3, padding=1, groups=2),
         torch.nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),
+        torch.nn.Conv2d(8, 8, 1, groups=2),
+        torch.nn.Conv2d(8, 8, 1, padding=1),
+        torch.nn.Conv2d(8, 8, 1, stride=(1, 2)),
     ]
     model = torch.nn.Sequential(*convs).eval()
     x = torch.randn(1, 8, 12, 12)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
-    assert [type(m) for m in fast] == [torch.nn.Conv2d] * 4
+    assert [type(m) for m in fast] == [torch.nn.Conv2d] * 7
     assert all(r.reason == "opforge has no kernel for this conv" for r in report.layers), str(report)
 
 
@@ -206,9 +229,10 @@ def test_folding_is_kept_only_where_it_does_not_time_slower(monkeypatch):
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
     assert isinstance(fast[1], torch.nn.BatchNorm2d)
     assert report.layers[0].reason.startswith("BatchNorm not folded: folded 20.0 us vs 10.0 us"), str(report)
-    calls = iter([20.0, 10.0])
+    calls = iter([20.0, 10.0, 10.0, 10.0])  # then the 1x1 conv itself: a tie keeps torch's conv
     monkeypatch.setattr(optimize_choice, "_cache", {})
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
     assert isinstance(fast[1], torch.nn.Identity) and "BatchNorm folded" in report.layers[0].action
+    assert isinstance(fast[0], torch.nn.Conv2d) and "measured 10.0 us vs 10.0 us" in report.layers[0].reason
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)

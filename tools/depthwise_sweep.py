@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from sweep_common import copy_bandwidth_gbs, summarize, time_ms
 
 MODELS = (
     "mobilenet_v2",
@@ -69,28 +68,6 @@ def collect_shapes(names=MODELS, image=224) -> dict[tuple, list[str]]:
     return shapes
 
 
-def _time_ms(fn, reps=20, rounds=5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) / reps)
-    return statistics.median(out)
-
-
-def copy_bandwidth_gbs() -> float:
-    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = _time_ms(lambda: y.copy_(x))
-    return 2 * x.numel() / ms / 1e6
-
-
 def run_case(key, n, dtype, channels_last):
     import opforge
 
@@ -105,8 +82,8 @@ def run_case(key, n, dtype, channels_last):
         ref = F.conv2d(x.double(), wt.double(), b.double(), s, p, 1, c)
         err = ((ours.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         fwd = (
-            _time_ms(lambda: opforge.conv2d_3x3(x, wt, b, s, p, c)),
-            _time_ms(lambda: F.conv2d(x, wt, b, s, p, 1, c)),
+            time_ms(lambda: opforge.conv2d_3x3(x, wt, b, s, p, c)),
+            time_ms(lambda: F.conv2d(x, wt, b, s, p, 1, c)),
         )
     g = torch.randn_like(ours)
 
@@ -116,28 +93,11 @@ def run_case(key, n, dtype, channels_last):
         return lambda: torch.autograd.grad(out, (xg, wg, bg), g, retain_graph=True)
 
     bwd_ms = (
-        _time_ms(bwd(lambda xx, ww, bb: opforge.conv2d_3x3(xx, ww, bb, s, p, c))),
-        _time_ms(bwd(lambda xx, ww, bb: F.conv2d(xx, ww, bb, s, p, 1, c))),
+        time_ms(bwd(lambda xx, ww, bb: opforge.conv2d_3x3(xx, ww, bb, s, p, c))),
+        time_ms(bwd(lambda xx, ww, bb: F.conv2d(xx, ww, bb, s, p, 1, c))),
     )
     moved = (x.numel() + ours.numel()) * x.element_size()
     return {"fwd": fwd, "bwd": bwd_ms, "bytes": moved, "max_rel_err": err}
-
-
-def summarize(cases, direction, floor_gbs=None):
-    speed = [c[direction][1] / c[direction][0] for c in cases]
-    worst = min(range(len(cases)), key=lambda i: speed[i])
-    out = {
-        "cases": len(cases),
-        "slower_than_peer": sum(v < 1.0 for v in speed),
-        "geomean_speedup": math.exp(sum(math.log(v) for v in speed) / len(speed)),
-        "worst": {"speedup": speed[worst], **{k: cases[worst][k] for k in ("case", direction)}},
-    }
-    if floor_gbs:
-        big = [c for c in cases if c["bytes"] > 8e6]
-        frac = [c["bytes"] / (c["fwd"][0] * 1e-3) / (floor_gbs * 1e9) for c in big]
-        out["over_8MB"] = len(big)
-        out["over_8MB_under_60pct_floor"] = sum(f < 0.6 for f in frac)
-    return out
 
 
 def main(argv=None) -> int:

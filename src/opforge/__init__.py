@@ -35,6 +35,7 @@ _OPS = (
     "batched_nms",
     "nms_padded",
     "conv2d_3x3",
+    "conv2d_1x1",
 )
 _NEEDS_KERNELS = frozenset(_OPS) | {"nn", "ops", "optimize"}
 
@@ -46,7 +47,7 @@ def _load_ops() -> None:
 
     _loader.load()
     from .ops.add import add, add_relu
-    from .ops.conv import conv2d_3x3
+    from .ops.conv import conv2d_1x1, conv2d_3x3
     from .ops.nms import batched_nms, nms, nms_padded
     from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
     from .optimize import optimize
@@ -59,6 +60,7 @@ def _load_ops() -> None:
         add=add,
         add_relu=add_relu,
         conv2d_3x3=conv2d_3x3,
+        conv2d_1x1=conv2d_1x1,
         batched_nms=batched_nms,
         nms=nms,
         nms_padded=nms_padded,

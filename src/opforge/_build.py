@@ -43,6 +43,7 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/softmax_avx512.cpp",
         "csrc/conv.cpp",
         "csrc/conv_autograd.cpp",
+        "csrc/conv_pointwise.cpp",
         "csrc/cpu/conv_cpu.cpp",
         "csrc/cpu/conv_dense_cpu.cpp",
         "csrc/cpu/conv_default.cpp",
@@ -75,6 +76,7 @@ SOURCES = extension.SourceSet(
         "csrc/cuda/conv_depthwise/conv_dw_fused.cu",
         "csrc/cuda/conv_bias_grad.cu",
         "csrc/cuda/conv_dense_mma.cu",
+        "csrc/cuda/conv_pointwise.cpp",
     ],
     include_dirs=["csrc"],
 )

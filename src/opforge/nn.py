@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .ops.add import add, add_relu
-from .ops.conv import conv2d_3x3
+from .ops.conv import conv2d_1x1, conv2d_3x3
 from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
 
 
@@ -157,11 +157,7 @@ class Conv2d3x3(torch.nn.Module):
             device=conv.weight.device,
             dtype=conv.weight.dtype,
         )
-        with torch.no_grad():
-            layer.weight = torch.nn.Parameter(conv.weight.detach().clone(), conv.weight.requires_grad)
-            if conv.bias is not None:
-                layer.bias.copy_(conv.bias)
-        return layer
+        return _with_params_of(layer, conv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return conv2d_3x3(x, self.weight, self.bias, self.stride, self.padding, self.groups, self.activation)
@@ -170,4 +166,80 @@ class Conv2d3x3(torch.nn.Module):
         return (
             f"{self.in_channels}, {self.out_channels}, stride={self.stride}, padding={self.padding}, "
             f"groups={self.groups}, bias={self.bias is not None}, activation={self.activation!r}"
+        )
+
+
+def _with_params_of(layer: torch.nn.Module, conv: torch.nn.Conv2d) -> torch.nn.Module:
+    """``layer`` holding copies of ``conv``'s weight and bias (same values, dtype, device,
+    memory format and requires_grad; clone() keeps the strides) and in its mode."""
+    layer.weight = torch.nn.Parameter(conv.weight.detach().clone(), conv.weight.requires_grad)
+    if conv.bias is not None:
+        layer.bias = torch.nn.Parameter(conv.bias.detach().clone(), conv.bias.requires_grad)
+    return layer.train(conv.training)
+
+
+class Conv2d1x1(torch.nn.Module):
+    """A 1x1 ``nn.Conv2d`` (optionally followed by an activation) as one fused op (opforge.conv2d_1x1).
+
+    Same parameters and initialisation as ``torch.nn.Conv2d(in_channels,
+    out_channels, 1, stride, bias=bias)`` (groups 1, no padding);
+    ``activation`` is None, ``"relu"``, ``"relu6"``, ``"hardswish"`` or
+    ``"silu"``. ``Conv2d1x1.from_conv(conv, activation="relu6")`` converts a
+    trained layer (and the activation after it), keeping its parameters'
+    memory format::
+
+        block = torch.nn.Sequential(torch.nn.Conv2d(32, 192, 1), torch.nn.ReLU6())
+        fused = opforge.nn.Conv2d1x1.from_conv(block[0], activation="relu6")
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        stride: int | tuple[int, int] = 1,
+        bias: bool = True,
+        activation: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        ref = torch.nn.Conv2d(in_channels, out_channels, 1, stride, bias=bias, device=device, dtype=dtype)
+        # The op's checks on a meta input: a refused argument is refused now, with its message.
+        meta = torch.empty((in_channels, 1, 1), device="meta", dtype=ref.weight.dtype)
+        conv2d_1x1(meta, ref.weight.detach().to("meta"), None, stride, activation)
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.stride, self.activation = stride, activation
+        self.weight = ref.weight
+        self.bias = ref.bias
+
+    @classmethod
+    def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None) -> Conv2d1x1:
+        """The fused equivalent of ``conv`` followed by ``activation``, with copies of its parameters."""
+        if not isinstance(conv, torch.nn.Conv2d):
+            raise TypeError(f"Conv2d1x1.from_conv: conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
+        # "same" and "valid" both mean no padding for a 1x1 kernel; dilation does not apply to it.
+        padding = (0, 0) if isinstance(conv.padding, str) else tuple(conv.padding)
+        if tuple(conv.kernel_size) != (1, 1) or conv.groups != 1 or padding != (0, 0):
+            raise ValueError(
+                "Conv2d1x1.from_conv: conv must have a 1x1 kernel, groups 1 and no padding, got kernel "
+                f"{tuple(conv.kernel_size)}, groups {conv.groups}, padding {conv.padding}"
+            )
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            tuple(conv.stride),
+            conv.bias is not None,
+            activation,
+            device="meta",
+            dtype=conv.weight.dtype,
+        )
+        return _with_params_of(layer, conv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv2d_1x1(x, self.weight, self.bias, self.stride, self.activation)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, stride={self.stride}, "
+            f"bias={self.bias is not None}, activation={self.activation!r}"
         )

@@ -9,10 +9,11 @@ trace):
   ``example_inputs`` the folded conv is timed against the pair and kept
   unless it is slower (an engine that adds the new bias as a pass of its own
   can lose what the BatchNorm's pass cost). Training mode never folds.
-- a 3x3 conv opforge supports (dense or depthwise, stride 1 or 2, padding 0
-  or 1, dilation 1, zero padding), with the activation after it (ReLU,
-  ReLU6, Hardswish, SiLU; any other is left as it is): one
-  ``opforge.nn.Conv2d3x3`` with the activation fused, **only where it is
+- a conv opforge supports, with the activation after it (ReLU, ReLU6,
+  Hardswish, SiLU; any other is left as it is): a 3x3 conv (dense or
+  depthwise, stride 1 or 2, padding 0 or 1, dilation 1, zero padding) as one
+  ``opforge.nn.Conv2d3x3``, a 1x1 conv (groups 1, no padding) as one
+  ``opforge.nn.Conv2d1x1``, the activation fused, **only where it is
   faster** than what it replaces on the layer's own input. That is measured:
   pass ``example_inputs`` (one batch, as the model is called) and each such
   layer is timed both ways on the shape it sees; without them no conv is
@@ -128,7 +129,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     _set(model, chain.conv, candidate.module())
     if fuse_act:
         _set(model, chain.act, torch.nn.Identity())
-    actions.append("opforge conv2d_3x3" + (f" + {type(act).__name__} fused" if fuse_act else ""))
+    actions.append(f"opforge {candidate.op}" + (f" + {type(act).__name__} fused" if fuse_act else ""))
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
 
 

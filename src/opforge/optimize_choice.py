@@ -1,4 +1,4 @@
-"""Whether opforge's conv2d_3x3 beats what it would replace, measured on the layer's own input.
+"""Whether opforge's conv2d_3x3 / conv2d_1x1 beats what it would replace, measured on the layer's own input.
 
 The choice is a timing, not a rule of thumb: the layer as it stands (torch's
 conv, then its activation module) against opforge's fused kernel, on the
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .nn import Conv2d3x3
+from .nn import Conv2d1x1, Conv2d3x3, _with_params_of
 
 _cache: dict[tuple, tuple[bool, str]] = {}
 # opforge's kernel must be this much faster (3%) to replace torch's layers.
@@ -36,21 +36,36 @@ class ConvCandidate:
     @classmethod
     def of(cls, conv: torch.nn.Conv2d, activation: str | None) -> ConvCandidate | None:
         """The conv as opforge could run it, or None where opforge has no kernel for it."""
-        if tuple(conv.kernel_size) != (3, 3) or _pair(conv.dilation) != (1, 1) or conv.padding_mode != "zeros":
+        if conv.weight.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             return None
         stride = _pair(conv.stride)
+        if stride[0] != stride[1]:
+            return None
+        if tuple(conv.kernel_size) == (1, 1):
+            # No padding ("same" and "valid" are none for a 1x1 kernel); dilation does not apply.
+            padding = (0, 0) if isinstance(conv.padding, str) else _pair(conv.padding)
+            if conv.groups != 1 or padding != (0, 0):
+                return None
+            return cls(conv, activation, stride[0], 0)
+        if tuple(conv.kernel_size) != (3, 3) or _pair(conv.dilation) != (1, 1) or conv.padding_mode != "zeros":
+            return None
         padding = (1, 1) if conv.padding == "same" else (0, 0) if conv.padding == "valid" else _pair(conv.padding)
-        if stride[0] != stride[1] or stride[0] not in (1, 2) or padding[0] != padding[1] or padding[0] not in (0, 1):
+        if stride[0] not in (1, 2) or padding[0] != padding[1] or padding[0] not in (0, 1):
             return None
         if conv.groups not in (1, conv.in_channels) or (conv.groups > 1 and conv.out_channels % conv.groups):
             return None
-        if conv.weight.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-            return None
         return cls(conv, activation, stride[0], padding[0])
 
-    def module(self) -> Conv2d3x3:
+    @property
+    def op(self) -> str:
+        """The opforge op that would run the layer."""
+        return "conv2d_1x1" if tuple(self.conv.kernel_size) == (1, 1) else "conv2d_3x3"
+
+    def module(self) -> torch.nn.Module:
         """opforge's layer, with the conv's parameters (same values, dtype, device and memory format)."""
         c = self.conv
+        if self.op == "conv2d_1x1":
+            return Conv2d1x1.from_conv(c, self.activation)
         layer = Conv2d3x3(
             c.in_channels,
             c.out_channels,
@@ -61,11 +76,7 @@ class ConvCandidate:
             activation=self.activation,
             device="meta",
         )
-        # clone() keeps the strides, so a channels_last weight stays channels_last.
-        layer.weight = torch.nn.Parameter(c.weight.detach().clone(), requires_grad=c.weight.requires_grad)
-        if c.bias is not None:
-            layer.bias = torch.nn.Parameter(c.bias.detach().clone(), requires_grad=c.bias.requires_grad)
-        return layer.train(c.training)
+        return _with_params_of(layer, c)
 
 
 def _layout(x: torch.Tensor) -> str:

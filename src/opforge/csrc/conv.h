@@ -62,6 +62,18 @@ inline int64_t padding_from_string(const char* op, std::string_view padding, int
   return 1;
 }
 
+// A bias, when given: (K,) of x's dtype, on x's device.
+inline void check_bias(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                       const c10::SymInt& K) {
+  if (!bias.has_value() || !bias->defined()) return;
+  check_float_tensor(*bias, op, "bias");
+  check_same_device(x, "x", *bias, "bias", op);
+  TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ",
+                   dtype_name(x.scalar_type()), ", got ", dtype_name(bias->scalar_type()));
+  TORCH_CHECK(bias->dim() == 1 && bias->sym_size(0) == K, op, ": bias must have shape [", num(K), "], got ",
+              shape(bias->sym_sizes()));
+}
+
 // The family's one argument contract (forward and backward): float x and
 // weight of one dtype and device, x (N, C, H, W) or (C, H, W), weight
 // (K, C / groups, 3, 3) with groups 1 or C, stride 1 or 2, padding 0 or 1,
@@ -105,14 +117,7 @@ inline Shape check_conv_args(const char* op, const at::Tensor& x, const at::Tens
               ", got weight shape ", shape(ws));
   TORCH_CHECK(s.K >= 1 && s.K % groups == 0, op, ": weight's output channels (", num(s.K),
               ") must be a positive multiple of groups (", num(groups), ")");
-  if (bias.has_value() && bias->defined()) {
-    check_float_tensor(*bias, op, "bias");
-    check_same_device(x, "x", *bias, "bias", op);
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), op, ": bias must have x's dtype ",
-                     dtype_name(x.scalar_type()), ", got ", dtype_name(bias->scalar_type()));
-    TORCH_CHECK(bias->dim() == 1 && bias->sym_size(0) == s.K, op, ": bias must have shape [", num(s.K), "], got ",
-                shape(bias->sym_sizes()));
-  }
+  check_bias(op, x, bias, s.K);
   TORCH_CHECK(s.H + 2 * padding >= 3 && s.W + 2 * padding >= 3, op, ": x's spatial size (", num(s.H), ", ", num(s.W),
               ") with padding ", num(padding), " is smaller than the 3x3 kernel");
   s.Ho = (s.H + 2 * padding - 3) / stride + 1;

@@ -1,4 +1,4 @@
-"""``conv2d_3x3``: 3x3 convolution with the bias and activation fused, forward and backward.
+"""``conv2d_3x3`` and ``conv2d_1x1``: convolutions with the bias and activation fused, forward and backward.
 
 ``conv2d_3x3(x, weight, bias, stride, padding, groups, activation)`` equals
 ``F.conv2d(x, weight, bias, stride, padding, groups=groups)`` followed by the
@@ -30,6 +30,17 @@ derivative by torch's own backward function first). When a graph is recorded,
 hardswish and silu run as the convolution and then torch's activation, so
 that the pre-activation their derivative needs is kept; without a graph
 (inference) they are fused. Double backward raises NotImplementedError.
+
+``conv2d_1x1(x, weight, bias, stride, activation)`` equals ``F.conv2d(x,
+weight, bias, stride)`` with a ``(K, C, 1, 1)`` weight (groups 1, no padding,
+any stride) followed by the activation. On CUDA a channels_last input runs
+opforge's tensor-core GEMM with the bias and activation in its epilogue
+(bfloat16, float16; float32 as TF32 where ``torch.backends.cudnn.allow_tf32``
+allows it, as ``F.conv2d`` does; C a multiple of 8, or of 4 for float32);
+NCHW inputs, float64 and the rest run cuDNN's convolution and the activation
+as one in-place pass. On the CPU it is oneDNN's convolution and one pass.
+Its backward is ATen's (the activation's derivative, then
+``convolution_backward``), so it is itself differentiable.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import torch
 
 # The overload packet: a str padding ("same" / "valid") picks conv2d_3x3.padding.
 _conv2d_3x3 = torch.ops.opforge.conv2d_3x3
+_conv2d_1x1 = torch.ops.opforge.conv2d_1x1.default
 
 
 def conv2d_3x3(
@@ -58,3 +70,21 @@ def conv2d_3x3(
               [0., 0.]]]])
     """
     return _conv2d_3x3(x, weight, bias, stride, padding, groups, activation)
+
+
+def conv2d_1x1(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | tuple[int, int] = 1,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride)`` for a 1x1 ``weight`` (+ the activation), fused.
+
+    >>> import torch, opforge
+    >>> x = torch.ones(1, 2, 2, 2)
+    >>> opforge.conv2d_1x1(x, torch.ones(1, 2, 1, 1), torch.tensor([-3.0]), activation="relu6")
+    tensor([[[[0., 0.],
+              [0., 0.]]]])
+    """
+    return _conv2d_1x1(x, weight, bias, stride, activation)

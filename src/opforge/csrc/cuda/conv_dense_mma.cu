@@ -1,18 +1,20 @@
-// Dense 3x3 convolution forward (groups == 1) on tensor cores, as an
-// implicit GEMM with the bias + ReLU epilogue fused.
+// Dense 3x3 and 1x1 convolution forward (groups == 1) on tensor cores, as an
+// implicit GEMM with the bias + activation epilogue fused.
 //
 // GEMM view: M = N*Ho*Wo output pixels, N_gemm = K output channels,
-// K_gemm = 9*C. Activations are read as NHWC (channels_last) and the weights
-// as (K, 3, 3, C), so that the reduction index kk = (r*3 + s)*C + c is
-// contiguous in memory for both operands:
+// K_gemm = R*R*C for an RxR kernel (R = 3 or 1). Activations are read as NHWC
+// (channels_last) and the weights as (K, R, R, C), so that the reduction
+// index kk = (r*R + s)*C + c is contiguous in memory for both operands:
 //   A[m][kk] = x[n][ho*stride - pad + r][wo*stride - pad + s][c]   (0 outside)
 //   B[k][kk] = w[k][r][s][c]
 //   out[m][k] = act(sum_kk A[m][kk] * B[k][kk] + bias[k])
+// A 1x1 kernel is the plain GEMM (N*Ho*Wo, C) x (C, K) over the strided pixels.
 //
 // Data movement: a contiguous (NCHW) input is converted to NHWC once by a
 // tiled shared-memory transpose (one extra read + write of x, a few
 // microseconds for the benchmark shapes; other strided inputs use ATen's
-// copy); the weights are reordered to (K,3,3,C) on every call (tiny). Both
+// copy); the weights are reordered to (K,R,R,C) on every call (tiny; none for
+// R = 1). Both
 // operands are then streamed into shared memory with 16-byte cp.async
 // (sm_80+), STAGES-deep, one 16-byte chunk = 8 half values or 4 floats, which
 // never straddles a filter tap because C is a multiple of the chunk. The zero
@@ -72,12 +74,13 @@ constexpr int smem_bytes() {
 
 struct Params {
   const void* x;     // NHWC, 16-byte aligned
-  const void* w;     // (K, 3, 3, C), 16-byte aligned
+  const void* w;     // (K, R, R, C), 16-byte aligned
   const void* bias;  // (K) or nullptr
   void* out;         // (N, K, Ho, Wo), NCHW or NHWC memory
   int N, C, H, W, K, Ho, Wo, stride, pad;
+  int R;   // the kernel's size: 3 or 1
   int M;   // N * Ho * Wo
-  int Kg;  // 9 * C
+  int Kg;  // R * R * C
   int tiles_n;
   opforge::Activation act;
   bool out_nhwc;
@@ -148,7 +151,7 @@ struct Mma<float> {  // TF32, m16n8k8
 // ---- the kernel ---------------------------------------------------------------
 
 template <typename T, int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages>
-__global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kernel(const Params p) {
+__global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv_dense_mma_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // never launched: the host side declines devices below sm_80
 #else
@@ -191,7 +194,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
   const int row_base = tid / kChunksPerRow;
 
   // Per A row: the image's base offset and the top-left input coordinate of
-  // the 3x3 window. Rows past M get a far-negative hi0 so no tap is in range.
+  // the RxR window. Rows past M get a far-negative hi0 so no tap is in range.
   int64_t a_base[kAIters];
   int a_hi0[kAIters], a_wi0[kAIters];
   const int hw_out = p.Ho * p.Wo;
@@ -223,8 +226,8 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
   {
     const int tap = ld_kk / p.C;
     ld_c = ld_kk - tap * p.C;
-    ld_r = tap / 3;
-    ld_s = tap - ld_r * 3;
+    ld_r = tap / p.R;
+    ld_s = tap - ld_r * p.R;
   }
 
   auto load_stage = [&](int slot) {
@@ -255,7 +258,7 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv3x3_dense_mma_kern
     ld_c += kBK;
     while (ld_c >= p.C) {  // once per stage for C >= kBK, kBK / C times below
       ld_c -= p.C;
-      if (++ld_s == 3) {
+      if (++ld_s == p.R) {
         ld_s = 0;
         ++ld_r;
       }
@@ -490,7 +493,7 @@ template <typename T, int kBM, int kBN, int kWarpsM, int kWarpsN, int kStages>
 void launch_cfg(Params p) {
   constexpr int smem = smem_bytes<kBM, kBN, kStages>();
   constexpr int threads = 32 * kWarpsM * kWarpsN;
-  auto* kernel = &conv3x3_dense_mma_kernel<T, kBM, kBN, kWarpsM, kWarpsN, kStages>;
+  auto* kernel = &conv_dense_mma_kernel<T, kBM, kBN, kWarpsM, kWarpsN, kStages>;
   if constexpr (smem > 48 * 1024) {
     // Above the default 48 KB of dynamic shared memory. A host-side attribute
     // (no stream work, allowed during graph capture), set on every launch so
@@ -548,12 +551,10 @@ void launch(const Params& p) {
   }
 }
 
-}  // namespace
-
-namespace opforge::conv {
-
-bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
-                               int64_t padding, Activation act, at::Tensor& out) {
+// act(conv(x, w) + bias) for an RxR kernel (R = w.size(2)), or false where
+// this kernel does not take the case.
+bool dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                       int64_t padding, opforge::Activation act, at::Tensor& out) {
   // ---- what this kernel handles; anything else goes back to the caller ----
   if (!x.is_cuda() || !w.is_cuda() || !out.is_cuda()) return false;
   const auto dtype = x.scalar_type();
@@ -562,25 +563,26 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   if (bias.defined() && (!bias.is_cuda() || bias.scalar_type() != dtype)) return false;
   if (dtype == at::kFloat && !at::globalContext().allowTF32CuDNN(at::Float32Op::CONV)) return false;
   if (x.dim() != 4 || w.dim() != 4 || out.dim() != 4) return false;
-  if (w.size(1) != x.size(1) || w.size(2) != 3 || w.size(3) != 3) return false;
-  if (stride != 1 && stride != 2) return false;
-  if (padding != 0 && padding != 1) return false;
+  const int64_t R = w.size(2);
+  if (w.size(1) != x.size(1) || w.size(3) != R || (R != 3 && R != 1)) return false;
+  if (stride < 1 || stride > 2 || padding < 0 || padding > R / 2) return false;
   if (at::cuda::getCurrentDeviceProperties()->major < 8) return false;  // cp.async, bf16 mma
 
   const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3), K = w.size(0);
   const int64_t chunk = 16 / static_cast<int64_t>(x.element_size());
   if (C % chunk != 0) return false;  // a 16-byte chunk must not straddle a filter tap
   if (bias.defined() && (bias.dim() != 1 || bias.size(0) != K)) return false;
-  const int64_t Ho = (H + 2 * padding - 3) / stride + 1;
-  const int64_t Wo = (W + 2 * padding - 3) / stride + 1;
-  if (H + 2 * padding < 3 || W + 2 * padding < 3) return false;
+  if (H + 2 * padding < R || W + 2 * padding < R) return false;
+  const int64_t Ho = (H + 2 * padding - R) / stride + 1;
+  const int64_t Wo = (W + 2 * padding - R) / stride + 1;
   if (out.size(0) != N || out.size(1) != K || out.size(2) != Ho || out.size(3) != Wo) return false;
   if (out.numel() == 0) return true;
 
   // 32-bit index limits (offsets into x, w and out are 64-bit).
   constexpr int64_t kIntMax = std::numeric_limits<int>::max();
   const int64_t M = N * Ho * Wo;
-  if (M > kIntMax - 128 || K > kIntMax - 128 || 9 * C > kIntMax || N > kIntMax || H > kIntMax / 4 || W > kIntMax / 4)
+  if (M > kIntMax - 128 || K > kIntMax - 128 || R * R * C > kIntMax || N > kIntMax || H > kIntMax / 4 ||
+      W > kIntMax / 4)
     return false;
 
   bool out_nhwc;
@@ -593,7 +595,7 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   }
 
   // NHWC activations (free for a channels_last x, one transpose pass for
-  // NCHW) and (K, 3, 3, C) weights (tiny).
+  // NCHW) and (K, R, R, C) weights (tiny; a view for R = 1).
   const at::Tensor xl = to_nhwc(x);
   const at::Tensor wl = w.permute({0, 2, 3, 1}).contiguous();
   const at::Tensor bl = bias.defined() ? bias.contiguous() : bias;
@@ -614,8 +616,9 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
   p.Wo = static_cast<int>(Wo);
   p.stride = static_cast<int>(stride);
   p.pad = static_cast<int>(padding);
+  p.R = static_cast<int>(R);
   p.M = static_cast<int>(M);
-  p.Kg = static_cast<int>(9 * C);
+  p.Kg = static_cast<int>(R * R * C);
   p.tiles_n = 0;  // set per tile configuration
   p.act = act;
   p.out_nhwc = out_nhwc;
@@ -634,6 +637,22 @@ bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const a
       break;
   }
   return true;
+}
+
+}  // namespace
+
+namespace opforge::conv {
+
+bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                               int64_t padding, Activation act, at::Tensor& out) {
+  if (w.dim() != 4 || w.size(2) != 3 || w.size(3) != 3) return false;
+  return dense_forward_mma(x, w, bias, stride, padding, act, out);
+}
+
+bool conv1x1_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                         Activation act, at::Tensor& out) {
+  if (w.dim() != 4 || w.size(2) != 1 || w.size(3) != 1) return false;
+  return dense_forward_mma(x, w, bias, stride, 0, act, out);
 }
 
 }  // namespace opforge::conv

@@ -1,5 +1,5 @@
-// Dense 3x3 convolution forward on tensor cores (implicit GEMM) with the
-// bias + ReLU epilogue fused. See conv_dense_mma.cu for the design.
+// Dense 3x3 and 1x1 convolution forward on tensor cores (implicit GEMM) with
+// the bias + activation epilogue fused. See conv_dense_mma.cu for the design.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,6 +19,11 @@ namespace opforge::conv {
 // kernel does not handle the case (dtype/shape/alignment), so the caller falls back.
 bool conv3x3_dense_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
                                int64_t padding, Activation act, at::Tensor& out);
+
+// out = act(conv1x1(x, w) + bias) for groups == 1 on CUDA; x as above, w (K,C,1,1), stride 1|2,
+// no padding. Returns false where this kernel does not handle the case.
+bool conv1x1_forward_mma(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t stride,
+                         Activation act, at::Tensor& out);
 
 // The argument checks of the benchmark entry opforge_bench.conv_dense_mma,
 // shared by its CUDA kernel and its shape function (sizes may be symbolic);

@@ -131,6 +131,18 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> _conv2d_3x3_backward(
       .call(grad_out, result, x, weight, stride, padding, groups, output_mask, activation);
 }
 
+// act(conv1x1(x, weight) + bias), fused: F.conv2d with a (K, C, 1, 1) weight,
+// groups 1, no padding, then the activation (None, "relu", "relu6",
+// "hardswish", "silu").
+inline at::Tensor conv2d_1x1(const at::Tensor& x, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias = std::nullopt, at::IntArrayRef stride = 1,
+                             std::optional<std::string_view> activation = std::nullopt) {
+  OPFORGE_OP_HANDLE("conv2d_1x1", "",
+                    at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef,
+                               std::optional<std::string_view>))
+      .call(x, weight, bias, stride, activation);
+}
+
 // ---------------------------------------------------------------- nms family
 
 // Indices (int64) of the boxes kept, in decreasing score order (torchvision.ops.nms).

@@ -1,0 +1,163 @@
+// conv2d_1x1's home: its schema, shape function, CPU kernel, the ATen engine
+// both backends fall back to, and its autograd. The argument contract is
+// conv_pointwise.h; the CUDA kernel is cuda/conv_pointwise.cpp.
+#include <ATen/Functions.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include <opforge/autograd.h>
+#include <opforge/ops.h>
+
+#include "conv_pointwise.h"
+
+TORCH_LIBRARY_FRAGMENT(opforge, m) {
+  // act(conv1x1(x, weight) + bias): F.conv2d with a (K, C, 1, 1) weight,
+  // groups 1, no padding, then the activation, the bias and the activation
+  // applied before the output's single store where the engine fuses them.
+  m.def("conv2d_1x1(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, str? activation=None) -> Tensor");
+}
+
+namespace opforge::conv {
+
+at::Tensor pointwise_forward_via_aten(const ForwardOperands& o, const Geometry& g, Activation act) {
+  const auto dtype = o.x.scalar_type();
+  if (o.x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16)) {
+    // oneDNN's half-precision CPU convolution rounds partial sums.
+    const ForwardOperands f{o.fmt, o.nhwc, o.x.to(at::kFloat), o.w.to(at::kFloat),
+                            o.bias.defined() ? o.bias.to(at::kFloat) : o.bias};
+    return pointwise_forward_via_aten(f, g, act).to(dtype);
+  }
+  if (g.C == 0 || g.N == 0) {
+    // ATen's convolution refuses channel-less input; F.conv2d's rule gives an empty (N, 0, Ho, Wo).
+    return empty_output(g, o);
+  }
+  at::Tensor y = at::convolution(o.x, o.w, o.bias.defined() ? std::optional<at::Tensor>(o.bias) : std::nullopt,
+                                 {g.stride, g.stride}, {0, 0}, {1, 1}, false, {0, 0}, 1);
+  if (!y.is_contiguous(o.fmt)) y = y.contiguous(o.fmt);
+  activation_inplace(y, act);
+  return y;
+}
+
+}  // namespace opforge::conv
+
+namespace {
+
+using opforge::autograd::Context;
+using opforge::autograd::Tensors;
+using opforge::conv::kPointwiseOp;
+
+at::Tensor conv2d_1x1_meta(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                           c10::IntArrayRef stride, std::optional<std::string_view> activation) {
+  opforge::Activation act{};
+  const auto s = opforge::conv::check_pointwise_args(kPointwiseOp, x, w, bias, stride, activation, act);
+  return at::empty_symint(opforge::conv::out_sizes(s), x.options().memory_format(opforge::conv::out_format(x)));
+}
+
+at::Tensor conv2d_1x1_cpu(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                          c10::IntArrayRef stride, std::optional<std::string_view> activation) {
+  opforge::Activation act{};
+  const auto s = opforge::conv::check_pointwise_args(kPointwiseOp, x, w, bias, stride, activation, act);
+  const auto g = opforge::conv::geometry(s);
+  const auto o = opforge::conv::forward_operands(x, w, bias, s.unbatched);
+  return opforge::conv::unbatch(opforge::conv::pointwise_forward_via_aten(o, g, act), s.unbatched);
+}
+
+// Gradients of conv1x1(x, w) + bias for the gradient of the pre-activation
+// (4-d operands), through ATen's convolution_backward with symbolic sizes,
+// so the backward traces under torch.compile's dynamic shapes. Half types on
+// the CPU are computed in float32 and rounded once (oneDNN rounds partial
+// sums). Masked-out entries are undefined (no gradient).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& grad, const at::Tensor& x,
+                                                                  const at::Tensor& w, int64_t stride,
+                                                                  std::array<bool, 3> mask) {
+  const auto dtype = x.scalar_type();
+  if (x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16)) {
+    auto [gx, gw, gb] = pointwise_backward(grad.to(at::kFloat), x.to(at::kFloat), w.to(at::kFloat), stride, mask);
+    return {gx.defined() ? gx.to(dtype) : gx, gw.defined() ? gw.to(dtype) : gw, gb.defined() ? gb.to(dtype) : gb};
+  }
+  at::Tensor gx, gw, gb;
+  if (x.sym_numel() == 0 || grad.sym_numel() == 0) {
+    gx = at::zeros_like(x);
+    gw = at::zeros_like(w);
+    gb = at::zeros_symint({w.sym_size(0)}, x.options());
+  } else {
+    const std::vector<c10::SymInt> bias_sizes{w.sym_size(0)};
+    const std::vector<c10::SymInt> strides{stride, stride}, zeros{0, 0}, ones{1, 1};
+    std::tie(gx, gw, gb) = at::convolution_backward_symint(grad, x, w, at::OptionalSymIntArrayRef(bias_sizes), strides,
+                                                           zeros, ones, false, zeros, 1, mask);
+  }
+  // grad x in x's memory format, grad weight contiguous.
+  return {mask[0] ? gx.contiguous(opforge::conv::out_format(x)) : at::Tensor(),
+          mask[1] ? gw.contiguous() : at::Tensor(), mask[2] ? gb : at::Tensor()};
+}
+
+// Saves x and weight, what the activation's derivative reads (the output
+// for relu and relu6; the pre-activation for hardswish and silu, which then
+// run as the convolution and torch's activation while a graph is recorded),
+// the stride and whether a bias was given. The backward is ATen's
+// (convolution_backward after the activation's derivative), so it is itself
+// differentiable.
+struct Conv2d1x1Function : torch::autograd::Function<Conv2d1x1Function> {
+  static at::Tensor forward(Context* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                            std::optional<std::string_view> activation) {
+    const opforge::Activation act = opforge::parse_activation(kPointwiseOp, activation);
+    at::Tensor out, saved;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      if (act == opforge::Activation::Hardswish || act == opforge::Activation::Silu) {
+        saved = opforge::conv2d_1x1(x, w, bias, stride, std::nullopt);
+        out = act == opforge::Activation::Silu ? at::silu(saved) : at::hardswish(saved);
+      } else {
+        out = opforge::conv2d_1x1(x, w, bias, stride, activation);
+        if (act != opforge::Activation::None) saved = out;
+      }
+    }
+    const bool has_bias = bias.has_value() && bias->defined();
+    ctx->saved_data["p"] = std::vector<int64_t>{stride[0], has_bias};
+    ctx->saved_data["act"] = std::string(activation.value_or("relu"));
+    ctx->save_for_backward({x, w, saved});
+    return out;
+  }
+
+  static Tensors backward(Context* ctx, Tensors grads) {
+    const std::vector<int64_t> p = ctx->saved_data["p"].toIntVector();
+    const bool has_bias = p[1] != 0;
+    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                   has_bias && ctx->needs_input_grad(2)};
+    Tensors out(5);
+    if (!(mask[0] || mask[1] || mask[2])) return out;
+    const Tensors saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1];
+    const std::optional<at::Tensor> result =
+        saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::optional<at::Tensor>();
+    const auto [grad_z, relu_result] =
+        opforge::conv::grad_through_activation(grads[0], result, ctx->saved_data["act"].toStringRef());
+    const at::Tensor grad = relu_result.has_value() ? opforge::conv::relu_masked_grad(grad_z, *relu_result) : grad_z;
+    const bool unbatched = x.dim() == 3;
+    auto [gx, gw, gb] = pointwise_backward(opforge::conv::batched(grad, unbatched),
+                                           opforge::conv::batched(x, unbatched), w, p[0], mask);
+    if (mask[0]) out[0] = opforge::conv::unbatch(gx, unbatched);
+    if (mask[1]) out[1] = std::move(gw);
+    if (mask[2]) out[2] = std::move(gb);
+    return out;
+  }
+};
+
+// Without a graph to record, straight to the kernel below autograd.
+at::Tensor conv2d_1x1_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                               c10::IntArrayRef stride, std::optional<std::string_view> activation) {
+  if (!opforge::autograd::records_graph(x, w, bias)) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    return opforge::conv2d_1x1(x, w, bias, stride, activation);
+  }
+  return Conv2d1x1Function::apply(x, w, bias, stride, activation);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(opforge, Meta, m) { m.impl("conv2d_1x1", &conv2d_1x1_meta); }
+TORCH_LIBRARY_IMPL(opforge, CPU, m) { m.impl("conv2d_1x1", &conv2d_1x1_cpu); }
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) { m.impl("conv2d_1x1", &conv2d_1x1_autograd); }

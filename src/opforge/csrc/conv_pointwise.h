@@ -1,0 +1,70 @@
+// conv2d_1x1, the conv family's pointwise op: its argument contract, shared
+// by its shape function and its CPU and CUDA kernels, and the ATen engine
+// both backends fall back to (conv_pointwise.cpp). It reuses the 3x3 op's
+// Shape/Geometry (padding 0, groups 1) and helpers (conv.h).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
+
+#include <optional>
+#include <string_view>
+
+#include "conv.h"
+
+namespace opforge::conv {
+
+inline constexpr const char* kPointwiseOp = "opforge.conv2d_1x1";
+
+// Float x (N, C, H, W) or (C, H, W) and weight (K, C, 1, 1) of one dtype and
+// device, stride >= 1 (an int or an equal pair), a bias (K,) of x's dtype, a
+// non-empty image (as F.conv2d requires). The activation comes back in act.
+inline Shape check_pointwise_args(const char* op, const at::Tensor& x, const at::Tensor& w,
+                                  const std::optional<at::Tensor>& bias, c10::IntArrayRef stride_pair,
+                                  std::optional<std::string_view> activation, Activation& act) {
+  check_float_tensor(x, op, "x");
+  check_float_tensor(w, op, "weight");
+  TORCH_CHECK(x.dim() == 3 || x.dim() == 4, op, ": x must be a 3-d (C, H, W) or 4-d (N, C, H, W) tensor, got ",
+              num(x.dim()), "-d with shape ", shape(x.sym_sizes()));
+  check_dim(w, 4, op, "weight");
+  const auto ws = w.sym_sizes();
+  TORCH_CHECK_VALUE(ws[2] == 1 && ws[3] == 1, op, ": weight must have a 1x1 kernel (shape (K, C, 1, 1)), got shape ",
+                    shape(ws));
+  check_same_device(x, "x", w, "weight", op);
+  TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), op, ": x and weight must have the same dtype, got x ",
+                   dtype_name(x.scalar_type()), " and weight ", dtype_name(w.scalar_type()));
+  const int64_t stride = check_pair(op, "stride", stride_pair);
+  TORCH_CHECK_VALUE(stride >= 1, op, ": stride must be at least 1, got ", num(stride));
+  act = parse_activation(op, activation);
+  const bool unbatched = x.dim() == 3;
+  const auto xs = x.sym_sizes();
+  const int64_t d = unbatched ? 1 : 0;  // x's dims are (N,) C, H, W
+  Shape s{unbatched ? c10::SymInt(1) : xs[0],
+          xs[1 - d],
+          xs[2 - d],
+          xs[3 - d],
+          ws[0],
+          c10::SymInt(0),
+          c10::SymInt(0),
+          stride,
+          0,
+          1,
+          unbatched,
+          false};
+  TORCH_CHECK(ws[1] == s.C, op, ": weight must have ", num(s.C), " input channels (dim 1) for x with ", num(s.C),
+              " channels (groups is 1), got weight shape ", shape(ws));
+  TORCH_CHECK(s.K >= 1, op, ": weight must have at least one output channel, got shape ", shape(ws));
+  check_bias(op, x, bias, s.K);
+  TORCH_CHECK(s.H >= 1 && s.W >= 1, op, ": x's spatial size (", num(s.H), ", ", num(s.W),
+              ") is smaller than the 1x1 kernel");
+  s.Ho = (s.H - 1) / stride + 1;
+  s.Wo = (s.W - 1) / stride + 1;
+  return s;
+}
+
+// act(conv1x1(x, w) + bias) through ATen's convolution (cuDNN, oneDNN), the
+// activation as one in-place pass; operands 4-d, output in o.fmt. Half types
+// on the CPU are computed in float32 and rounded once.
+at::Tensor pointwise_forward_via_aten(const ForwardOperands& o, const Geometry& g, Activation act);
+
+}  // namespace opforge::conv

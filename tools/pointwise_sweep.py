@@ -1,0 +1,140 @@
+"""1x1 conv layers of real models: opforge.conv2d_1x1 against F.conv2d + the activation (cuDNN).
+
+The layer shapes are collected from the models themselves (forward hooks on
+torchvision's classification models at 224x224): every 1x1 conv with groups
+1 and no padding, each distinct (C, K, H, W, stride) once. Each is timed at
+the given batches, float32 and bfloat16, NCHW and channels_last, forward
+under no_grad, as the layer runs after optimize folds a BatchNorm into it:
+with a bias, once without an activation (a projection) and once with
+hardswish after it (any activation costs torch one more pass), outputs
+checked first. The backward is ATen's in both, so it is not swept.
+
+Reported as counts: cases slower than the peer, the geometric-mean
+speed-up, the worst case, and the cases moving more than 8 MB that run
+under 60% of the device-copy floor (input read once, output written once).
+
+    python tools/pointwise_sweep.py --json sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from sweep_common import copy_bandwidth_gbs, summarize, time_ms
+
+MODELS = (
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "mnasnet1_0",
+    "resnet18",
+    "resnet50",
+    "regnet_y_400mf",
+)
+
+
+def collect_shapes(names=MODELS, image=224) -> dict[tuple, list[str]]:
+    """{(C, K, H, W, stride): [model names]} of the 1x1 convs opforge.conv2d_1x1 runs."""
+    import torchvision
+
+    shapes: dict[tuple, list[str]] = {}
+    for name in names:
+        model = getattr(torchvision.models, name)(weights=None).eval()
+        hooks = []
+        for m in model.modules():
+            if not isinstance(m, torch.nn.Conv2d) or m.kernel_size != (1, 1) or m.groups != 1:
+                continue
+            if m.padding not in ((0, 0), "valid") or m.stride[0] != m.stride[1]:
+                continue
+
+            def hook(mod, args, name=name):
+                _, c, h, w = args[0].shape
+                key = (c, mod.out_channels, h, w, mod.stride[0])
+                shapes.setdefault(key, [])
+                if name not in shapes[key]:
+                    shapes[key].append(name)
+
+            hooks.append(m.register_forward_pre_hook(hook))
+        with torch.no_grad():
+            model(torch.randn(1, 3, image, image))
+        for h in hooks:
+            h.remove()
+    return shapes
+
+
+_TORCH_ACT = {None: lambda t: t, "hardswish": F.hardswish}
+
+
+def run_case(key, n, dtype, channels_last, activation):
+    import opforge
+
+    c, k, h, w, s = key
+    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    wt = torch.randn(k, c, 1, 1, device="cuda", dtype=dtype) / c**0.5
+    b = torch.randn(k, device="cuda", dtype=dtype)
+    act = _TORCH_ACT[activation]
+    with torch.no_grad():
+        ours = opforge.conv2d_1x1(x, wt, b, s, activation)
+        ref = act(F.conv2d(x.double(), wt.double(), b.double(), s))
+        err = ((ours.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        fwd = (
+            time_ms(lambda: opforge.conv2d_1x1(x, wt, b, s, activation)),
+            time_ms(lambda: act(F.conv2d(x, wt, b, s))),
+        )
+    moved = (x.numel() + ours.numel()) * x.element_size()
+    return {"fwd": fwd, "bytes": moved, "max_rel_err": err}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="write every case and the summary here")
+    ap.add_argument("--batches", default="1,64")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("pointwise_sweep: needs a CUDA GPU")
+        return 2
+    shapes = collect_shapes()
+    floor = copy_bandwidth_gbs()
+    cases, errors = [], []
+    for key, models in sorted(shapes.items()):
+        for n in (int(b) for b in args.batches.split(",")):
+            for dtype in (torch.float32, torch.bfloat16):
+                for cl in (False, True):
+                    for activation in (None, "hardswish"):
+                        name = f"N{n} C{key[0]}->{key[1]} {key[2]}x{key[3]} s{key[4]} {str(dtype)[6:]} "
+                        name += ("NHWC" if cl else "NCHW") + f" {activation or 'bias'} ({','.join(models)})"
+                        try:
+                            r = run_case(key, n, dtype, cl, activation)
+                        except Exception as exc:  # a failing case is reported, not skipped silently
+                            torch.cuda.synchronize()
+                            errors.append({"case": name, "error": str(exc).splitlines()[0]})
+                            print(f"FAILED {name}: {errors[-1]['error']}", flush=True)
+                            continue
+                        r["case"] = name
+                        r["layout"] = "NHWC" if cl else "NCHW"
+                        cases.append(r)
+    summary = {
+        "shapes": len(shapes),
+        "copy_gbs": floor,
+        "forward": summarize(cases, "fwd", floor),
+        "max_rel_err": max(c["max_rel_err"] for c in cases),
+        "failed": errors,
+    }
+    for layout in ("NHWC", "NCHW"):
+        summary[f"forward_{layout}"] = summarize([c for c in cases if c["layout"] == layout], "fwd", floor)
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "cases": cases}, f, indent=1)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
