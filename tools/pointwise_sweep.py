@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write every case and the summary here")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop timing new shapes after this long")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("pointwise_sweep: needs a CUDA GPU")
@@ -103,7 +105,11 @@ def main(argv=None) -> int:
     shapes = collect_shapes()
     floor = copy_bandwidth_gbs()
     cases, errors = [], []
+    start, done = time.monotonic(), 0
     for key, models in sorted(shapes.items()):
+        if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
+            break
+        done += 1
         for n in (int(b) for b in args.batches.split(",")):
             for dtype in (torch.float32, torch.bfloat16):
                 for cl in (False, True):
@@ -122,6 +128,7 @@ def main(argv=None) -> int:
                         cases.append(r)
     summary = {
         "shapes": len(shapes),
+        "shapes_timed": done,
         "copy_gbs": floor,
         "forward": summarize(cases, "fwd", floor),
         "max_rel_err": max(c["max_rel_err"] for c in cases),
