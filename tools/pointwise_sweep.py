@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 
@@ -106,7 +107,9 @@ def main(argv=None) -> int:
     floor = copy_bandwidth_gbs()
     cases, errors = [], []
     start, done = time.monotonic(), 0
-    for key, models in sorted(shapes.items()):
+    order = sorted(shapes.items())
+    random.Random(0).shuffle(order)  # a run cut short by --max-seconds is still a fair sample
+    for key, models in order:
         if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
             break
         done += 1
