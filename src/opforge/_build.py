@@ -76,7 +76,7 @@ SOURCES = extension.SourceSet(
         "csrc/cuda/conv_depthwise/conv_dw_fused.cu",
         "csrc/cuda/conv_bias_grad.cu",
         "csrc/cuda/conv_dense_mma.cu",
-        "csrc/cuda/conv_pointwise.cpp",
+        "csrc/cuda/conv_pointwise_cuda.cpp",
     ],
     include_dirs=["csrc"],
 )

@@ -1,6 +1,6 @@
 // conv2d_1x1's home: its schema, shape function, CPU kernel, the ATen engine
 // both backends fall back to, and its autograd. The argument contract is
-// conv_pointwise.h; the CUDA kernel is cuda/conv_pointwise.cpp.
+// conv_pointwise.h; the CUDA kernel is cuda/conv_pointwise_cuda.cpp.
 #include <ATen/Functions.h>
 #include <torch/library.h>
 
