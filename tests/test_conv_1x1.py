@@ -54,7 +54,14 @@ def test_forward(activation, stride, channels_last, dtype, device):
 # Layer shapes of mobilenet_v2 / resnet that fill the tensor-core kernel's larger tiles.
 @pytest.mark.parametrize("activation", [None, "relu6", "silu"])
 @pytest.mark.parametrize(
-    "shape,k", [((4, 24, 28, 28), 144), ((2, 320, 7, 7), 1280), ((8, 64, 14, 14), 64), ((2, 256, 9, 9), 40)]
+    "shape,k",
+    [
+        ((4, 24, 28, 28), 144),
+        ((2, 320, 7, 7), 1280),
+        ((8, 64, 14, 14), 64),
+        ((2, 256, 9, 9), 40),
+        ((2, 640, 7, 7), 160),
+    ],
 )
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("channels_last", [False, True])

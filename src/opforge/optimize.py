@@ -96,40 +96,52 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     bn = model.get_submodule(chain.bn) if chain.bn else None
     act = model.get_submodule(chain.act) if chain.act else None
     pattern = " -> ".join([_describe_conv(conv)] + [type(m).__name__ for m in (bn, act) if m is not None])
+    timed = measured and x is not None and not force
+    # What the layer runs as when opforge's kernel is not taken: torch's modules, the BatchNorm
+    # folded into the conv where that is not slower.
+    kept = (conv, bn) if bn is not None else (conv,)
+    target, fold_note = conv, ""
+    if bn is not None and (conv.training or bn.training):
+        return LayerReport(chain.conv, pattern, "left", "training mode: BatchNorm is not folded")
+    if bn is not None:
+        target = folded_conv(conv, bn)
+        pays, why = folding_pays(conv, bn, target, x) if timed else (True, "")
+        if pays:
+            kept = (target,)
+        else:
+            fold_note = f"BatchNorm not folded: {why}"
+    folded_kept = len(kept) == 1 and bn is not None
+
+    def leave(reason: str) -> LayerReport:
+        if folded_kept:
+            _set(model, chain.conv, target)
+            _set(model, chain.bn, torch.nn.Identity())
+            return LayerReport(chain.conv, pattern, "BatchNorm folded", reason)
+        return LayerReport(chain.conv, pattern, "left", "; ".join(r for r in (fold_note, reason) if r))
+
+    act_name = _FUSABLE_ACTIVATIONS.get(type(act))
+    candidate = ConvCandidate.of(target, act_name)
+    if candidate is None:
+        return leave("opforge has no kernel for this conv")
+    if force:
+        why = "force=True: not timed"
+    elif not measured:
+        return leave("conv kept: pass example_inputs to time opforge's kernel on this layer's shape")
+    elif x is None:
+        return leave("not called by example_inputs")
+    else:
+        # Against what the layer would otherwise run: torch's conv (folded or with its BatchNorm), then act.
+        win, why = faster_with_opforge(candidate, act, x, before=kept)
+        if not win:
+            return leave(why)
+    _set(model, chain.conv, candidate.module())
     actions = []
-    if bn is not None and not conv.training and not bn.training:
-        folded = folded_conv(conv, bn)
-        if measured and x is not None and not force:
-            pays, why = folding_pays(conv, bn, folded, x)
-            if not pays:
-                return LayerReport(chain.conv, pattern, "left", f"BatchNorm not folded: {why}")
-        conv = folded
-        _set(model, chain.conv, conv)
+    if bn is not None:
         _set(model, chain.bn, torch.nn.Identity())
         actions.append("BatchNorm folded")
-    elif bn is not None:
-        return LayerReport(chain.conv, pattern, "left", "training mode: BatchNorm is not folded")
-    # An activation fuses only when nothing (an unfolded BatchNorm) sits between it and the conv.
-    act_name = _FUSABLE_ACTIVATIONS.get(type(act))
-    fuse_act = act_name is not None and (bn is None or bool(actions))
-    candidate = ConvCandidate.of(conv, act_name if fuse_act else None)
-    if candidate is None:
-        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", "opforge has no kernel for this conv")
-    if force:
-        win, why = True, "force=True: not timed"
-    elif not measured:
-        reason = "conv kept: pass example_inputs to time opforge's kernel on this layer's shape"
-        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", reason)
-    elif x is None:
-        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", "not called by example_inputs")
-    else:
-        win, why = faster_with_opforge(candidate, act, x)
-    if not win:
-        return LayerReport(chain.conv, pattern, ", ".join(actions) or "left", why)
-    _set(model, chain.conv, candidate.module())
-    if fuse_act:
+    if act_name is not None:
         _set(model, chain.act, torch.nn.Identity())
-    actions.append(f"opforge {candidate.op}" + (f" + {type(act).__name__} fused" if fuse_act else ""))
+    actions.append(f"opforge {candidate.op}" + (f" + {type(act).__name__} fused" if act_name else ""))
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
 
 

@@ -133,25 +133,36 @@ def folding_pays(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, folded: torch.
     return result
 
 
-def faster_with_opforge(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor) -> tuple[bool, str]:
-    """(opforge is at least as fast, the measured times as text), cached per process."""
-    key = _key(candidate, act, x)
+def faster_with_opforge(
+    candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor, before: tuple = ()
+) -> tuple[bool, str]:
+    """(opforge is at least as fast, the measured times as text), cached per process.
+
+    opforge's layer (with ``candidate.activation`` fused, else followed by
+    ``act``) against ``before`` (the modules the layer runs as otherwise,
+    default the candidate's conv), followed by ``act``."""
+    layers = tuple(before) or (candidate.conv,)
+    key = _key(candidate, act, x) + (tuple(type(m).__name__ for m in layers),)
     if key in _cache:
         return _cache[key]
     ours = candidate.module()
     training = candidate.conv.training
 
-    def run(layer, post):
+    def run(modules, post):
+        def call(t):
+            for m in modules:
+                t = m(t)
+            return post(t) if post is not None else t
+
         if not training:
             with torch.no_grad():
-                return post(layer(x)) if post is not None else layer(x)
-        xg = x.detach().requires_grad_()
-        out = post(layer(xg)) if post is not None else layer(xg)
+                return call(x)
+        out = call(x.detach().requires_grad_())
         out.sum().backward()
         return out
 
-    theirs_us = _median_us(lambda: run(candidate.conv, act), x.device)
-    ours_us = _median_us(lambda: run(ours, None if candidate.activation else act), x.device)
+    theirs_us = _median_us(lambda: run(layers, act), x.device)
+    ours_us = _median_us(lambda: run((ours,), None if candidate.activation else act), x.device)
     # A tie within the timing's noise keeps torch's layers: replacing must pay.
     win = ours_us * _MARGIN <= theirs_us
     result = (win, f"measured {ours_us:.1f} us vs {theirs_us:.1f} us for torch's layers")

@@ -1,5 +1,4 @@
-// conv2d_1x1's home: its schema, shape function, CPU kernel, the ATen engine
-// both backends fall back to, and its autograd. The argument contract is
+// conv2d_1x1's home: its schema, shape function, CPU kernel and autograd. The argument contract is
 // conv_pointwise.h; the CUDA kernel is cuda/conv_pointwise_cuda.cpp.
 #include <ATen/Functions.h>
 #include <torch/library.h>
@@ -19,34 +18,33 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   m.def("conv2d_1x1(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, str? activation=None) -> Tensor");
 }
 
-namespace opforge::conv {
-
-at::Tensor pointwise_forward_via_aten(const ForwardOperands& o, const Geometry& g, Activation act) {
-  const auto dtype = o.x.scalar_type();
-  if (o.x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16)) {
-    // oneDNN's half-precision CPU convolution rounds partial sums.
-    const ForwardOperands f{o.fmt, o.nhwc, o.x.to(at::kFloat), o.w.to(at::kFloat),
-                            o.bias.defined() ? o.bias.to(at::kFloat) : o.bias};
-    return pointwise_forward_via_aten(f, g, act).to(dtype);
-  }
-  if (g.C == 0 || g.N == 0) {
-    // ATen's convolution refuses channel-less input; F.conv2d's rule gives an empty (N, 0, Ho, Wo).
-    return empty_output(g, o);
-  }
-  at::Tensor y = at::convolution(o.x, o.w, o.bias.defined() ? std::optional<at::Tensor>(o.bias) : std::nullopt,
-                                 {g.stride, g.stride}, {0, 0}, {1, 1}, false, {0, 0}, 1);
-  if (!y.is_contiguous(o.fmt)) y = y.contiguous(o.fmt);
-  activation_inplace(y, act);
-  return y;
-}
-
-}  // namespace opforge::conv
-
 namespace {
 
 using opforge::autograd::Context;
 using opforge::autograd::Tensors;
 using opforge::conv::kPointwiseOp;
+
+// act(conv1x1(x, w) + bias) by oneDNN's convolution with the bias, then the
+// activation as one in-place pass; operands 4-d, output in o.fmt. Half types
+// are computed in float32 and rounded once (oneDNN rounds partial sums).
+at::Tensor forward_cpu(const opforge::conv::ForwardOperands& o, const opforge::conv::Geometry& g,
+                       opforge::Activation act) {
+  const auto dtype = o.x.scalar_type();
+  if (dtype == at::kHalf || dtype == at::kBFloat16) {
+    const opforge::conv::ForwardOperands f{o.fmt, o.nhwc, o.x.to(at::kFloat), o.w.to(at::kFloat),
+                                           o.bias.defined() ? o.bias.to(at::kFloat) : o.bias};
+    return forward_cpu(f, g, act).to(dtype);
+  }
+  if (g.C == 0 || g.N == 0) {
+    // ATen's convolution refuses channel-less input; F.conv2d's rule gives an empty (N, 0, Ho, Wo).
+    return opforge::conv::empty_output(g, o);
+  }
+  at::Tensor y = at::convolution(o.x, o.w, o.bias.defined() ? std::optional<at::Tensor>(o.bias) : std::nullopt,
+                                 {g.stride, g.stride}, {0, 0}, {1, 1}, false, {0, 0}, 1);
+  if (!y.is_contiguous(o.fmt)) y = y.contiguous(o.fmt);
+  opforge::conv::activation_inplace(y, act);
+  return y;
+}
 
 at::Tensor conv2d_1x1_meta(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                            c10::IntArrayRef stride, std::optional<std::string_view> activation) {
@@ -61,7 +59,7 @@ at::Tensor conv2d_1x1_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
   const auto s = opforge::conv::check_pointwise_args(kPointwiseOp, x, w, bias, stride, activation, act);
   const auto g = opforge::conv::geometry(s);
   const auto o = opforge::conv::forward_operands(x, w, bias, s.unbatched);
-  return opforge::conv::unbatch(opforge::conv::pointwise_forward_via_aten(o, g, act), s.unbatched);
+  return opforge::conv::unbatch(forward_cpu(o, g, act), s.unbatched);
 }
 
 // Gradients of conv1x1(x, w) + bias for the gradient of the pre-activation

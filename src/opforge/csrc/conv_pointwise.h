@@ -1,7 +1,7 @@
 // conv2d_1x1, the conv family's pointwise op: its argument contract, shared
-// by its shape function and its CPU and CUDA kernels, and the ATen engine
-// both backends fall back to (conv_pointwise.cpp). It reuses the 3x3 op's
-// Shape/Geometry (padding 0, groups 1) and helpers (conv.h).
+// by its shape function and its CPU and CUDA kernels (conv_pointwise.cpp,
+// cuda/conv_pointwise_cuda.cpp). It reuses the 3x3 op's Shape/Geometry
+// (padding 0, groups 1) and helpers (conv.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -61,10 +61,5 @@ inline Shape check_pointwise_args(const char* op, const at::Tensor& x, const at:
   s.Wo = (s.W - 1) / stride + 1;
   return s;
 }
-
-// act(conv1x1(x, w) + bias) through ATen's convolution (cuDNN, oneDNN), the
-// activation as one in-place pass; operands 4-d, output in o.fmt. Half types
-// on the CPU are computed in float32 and rounded once.
-at::Tensor pointwise_forward_via_aten(const ForwardOperands& o, const Geometry& g, Activation act);
 
 }  // namespace opforge::conv

@@ -36,9 +36,10 @@ weight, bias, stride)`` with a ``(K, C, 1, 1)`` weight (groups 1, no padding,
 any stride) followed by the activation. On CUDA a channels_last input runs
 opforge's tensor-core GEMM with the bias and activation in its epilogue
 (bfloat16, float16; float32 as TF32 where ``torch.backends.cudnn.allow_tf32``
-allows it, as ``F.conv2d`` does; C a multiple of 8, or of 4 for float32);
-NCHW inputs, float64 and the rest run cuDNN's convolution and the activation
-as one in-place pass. On the CPU it is oneDNN's convolution and one pass.
+allows it, as ``F.conv2d`` does, and C <= 512; C a multiple of 8, or of 4 for
+float32); NCHW inputs, float64 and the rest run cuDNN's convolution, then the
+bias and activation as one pass. On the CPU it is oneDNN's convolution and
+one pass.
 Its backward is ATen's (the activation's derivative, then
 ``convolution_backward``), so it is itself differentiable.
 """

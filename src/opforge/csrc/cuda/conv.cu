@@ -35,6 +35,7 @@
 
 #include "conv.h"
 #include "cuda/conv_dense_mma.h"
+#include "cuda/conv_bias_act.h"
 #include "cuda/conv_bias_grad.h"
 #include "cuda/conv_depthwise.h"
 
@@ -105,8 +106,11 @@ void launch_bias_act(scalar_t* y, const scalar_t* b, int64_t n, int64_t K, int64
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The dense fallback's epilogue: one pass over cuDNN's output.
-void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, opforge::Activation act, bool nhwc, const Geometry& g) {
+}  // namespace
+
+namespace opforge::conv {
+
+void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, Activation act, bool nhwc, const Geometry& g) {
   const int64_t n = y.numel();
   if (n == 0) return;
   OPFORGE_DISPATCH_FLOATING_TYPES(y.scalar_type(), "conv2d_3x3_bias_act", [&] {
@@ -120,6 +124,12 @@ void bias_act_cuda(at::Tensor& y, const at::Tensor& bias, opforge::Activation ac
     }
   });
 }
+
+}  // namespace opforge::conv
+
+namespace {
+
+using opforge::conv::bias_act_cuda;
 
 // Which engine runs dense convolutions with ReLU first: "cudnn" (default) or
 // "opforge" (this library's tensor-core kernel), from OPFORGE_CONV_DENSE_ENGINE.

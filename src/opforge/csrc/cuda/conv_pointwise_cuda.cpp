@@ -1,17 +1,21 @@
 // conv2d_1x1's CUDA kernel. A channels_last input goes to the tensor-core
 // GEMM with the bias and activation fused into its epilogue
 // (cuda/conv_dense_mma.cu: bfloat16, float16, and float32 as TF32 where
-// torch allows TF32 for cuDNN convolutions, as F.conv2d does). A contiguous
-// (NCHW) input, float64, and every case that kernel declines go to ATen's
-// convolution (cuDNN) with its bias, then the activation as one pass.
+// torch allows TF32 for cuDNN convolutions, as F.conv2d does), except
+// float32 with more than 512 input channels, where cuDNN's Hopper kernels
+// are ahead on that compute-bound GEMM. A contiguous (NCHW) input, float64,
+// and every case that kernel declines go to cuDNN's convolution, then the
+// bias and activation as one pass over its output.
 // OPFORGE_CONV_1X1_ENGINE=opforge sends NCHW inputs to the tensor-core kernel
 // too (one transpose pass first), =aten sends everything to ATen (both for
 // benchmarking the choice).
+#include <ATen/Functions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/env.h>
 #include <torch/library.h>
 
 #include "conv_pointwise.h"
+#include "cuda/conv_bias_act.h"
 #include "cuda/conv_dense_mma.h"
 
 namespace {
@@ -37,14 +41,19 @@ at::Tensor conv2d_1x1_cuda(const at::Tensor& x, const at::Tensor& w, const std::
   const c10::cuda::CUDAGuard guard(x.device());
   const auto o = opforge::conv::forward_operands(x, w, bias, s.unbatched);
   const Engine e = engine();
-  if (e == Engine::Opforge || (e == Engine::Auto && o.nhwc)) {
+  const bool compute_bound_tf32 = o.x.scalar_type() == at::kFloat && g.C > 512;
+  if (e == Engine::Opforge || (e == Engine::Auto && o.nhwc && !compute_bound_tf32)) {
     at::Tensor out = opforge::conv::empty_output(g, o);
     if (out.numel() == 0) return opforge::conv::unbatch(out, s.unbatched);
     if (opforge::conv::conv1x1_forward_mma(o.x, o.w, o.bias, g.stride, act, out)) {
       return opforge::conv::unbatch(out, s.unbatched);
     }
   }
-  return opforge::conv::unbatch(opforge::conv::pointwise_forward_via_aten(o, g, act), s.unbatched);
+  if (g.C == 0 || g.N == 0) return opforge::conv::unbatch(opforge::conv::empty_output(g, o), s.unbatched);
+  at::Tensor y = at::convolution(o.x, o.w, std::nullopt, {g.stride, g.stride}, {0, 0}, {1, 1}, false, {0, 0}, 1);
+  if (!y.is_contiguous(o.fmt)) y = y.contiguous(o.fmt);
+  if (o.bias.defined() || act != opforge::Activation::None) opforge::conv::bias_act_cuda(y, o.bias, act, o.nhwc, g);
+  return opforge::conv::unbatch(y, s.unbatched);
 }
 
 }  // namespace
