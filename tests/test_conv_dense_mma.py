@@ -229,7 +229,7 @@ def test_large_grids(dtype, case):
 
 # Each tile configuration forced on small problems with every tail.
 @pytest.mark.cuda
-@pytest.mark.parametrize("tile", ["128x128", "128x64", "64x64"])
+@pytest.mark.parametrize("tile", ["128x128", "128x64", "64x64", "128x32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "case",

@@ -366,6 +366,9 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN) conv_dense_mma_kernel(
 
 #pragma unroll
   for (int j = 0; j < kNI; ++j) {
+    // Fragments wholly past K (a tile wider than the layer's channels) are never stored: skip the
+    // activation's arithmetic on them (warp-uniform).
+    if (n0 + warp_n * kWarpN + j * 8 >= p.K) continue;
     const int col = warp_n * kWarpN + j * 8 + 2 * t;
     float b0 = 0.f, b1 = 0.f;
     if (bias != nullptr) {
@@ -514,9 +517,12 @@ void launch_cfg(Params p) {
 // - 128x64, 4 warps, 3 stages (45 KB, 4 CTAs per SM) when that grid gives
 //   every SM four CTAs;
 // - else 64x64, 4 warps, 4 stages (40 KB): twice the CTAs for small problems
-//   (fewer idle SMs, less tail).
+//   (fewer idle SMs, less tail);
+// - 128x32, 4 warps along M, 3 stages (37.5 KB) when K <= 32 and the grid
+//   still gives every SM a CTA: a layer with few output channels (1x1
+//   projections) would leave most of a wider tile's columns idle.
 //
-// OPFORGE_CONV_MMA_TILE=128x128|128x64|64x64 forces one tile (benchmarking
+// OPFORGE_CONV_MMA_TILE=128x128|128x64|64x64|128x32 forces one tile (benchmarking
 // the choice; 128x128 is ignored for float32); unset or anything else: the
 // rule above.
 int forced_tile() {
@@ -525,6 +531,7 @@ int forced_tile() {
   if (*v == "128x128") return 1;
   if (*v == "128x64") return 2;
   if (*v == "64x64") return 3;
+  if (*v == "128x32") return 4;
   return 0;
 }
 
@@ -536,8 +543,13 @@ void launch(const Params& p) {
   }
   if (forced == 2) return launch_cfg<T, 128, 64, 2, 2, 3>(p);
   if (forced == 3) return launch_cfg<T, 64, 64, 2, 2, 4>(p);
+  if (forced == 4) return launch_cfg<T, 128, 32, 4, 1, 3>(p);
   const int64_t sms = opforge::cuda::sm_count();
   const auto blocks = [&](int64_t bm, int64_t bn) { return ((p.M + bm - 1) / bm) * ((p.K + bn - 1) / bn); };
+  if (p.K <= 32 && blocks(128, 32) >= sms) {
+    launch_cfg<T, 128, 32, 4, 1, 3>(p);
+    return;
+  }
   if constexpr (sizeof(T) == 2) {  // a staged float32 128x128 tile would not fit
     if (p.K > 64 && blocks(128, 128) >= 2 * sms) {
       launch_cfg<T, 128, 128, 2, 4, 3>(p);
