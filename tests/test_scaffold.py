@@ -124,7 +124,6 @@ def test_new_renders_a_complete_project_in_the_users_names(kind, tmp_path):
         f"tkfiles/csrc/cpu/{op}.cpp",
         f"tkfiles/csrc/cuda/{op}_cuda.cu",
         f"tkfiles/csrc/{op}_checks.h",
-        f"tkfiles/csrc/{op}_meta.cpp",
         f"tkfiles/csrc/{op}_autograd.cpp",
         "tkfiles/csrc/tkfiles/ops.h",
     }
@@ -146,7 +145,7 @@ def test_new_renders_a_complete_project_in_the_users_names(kind, tmp_path):
     assert "TORCH_LIBRARY(tkfiles, m)" in schema
     assert f'm.def("{op}(' + ", ".join(f"Tensor {i}" for i in inputs) + ') -> Tensor");' in schema
     assert f'"_{op}_backward(Tensor grad, ' in schema
-    for key, file in (("CPU", f"cpu/{op}.cpp"), ("Meta", f"{op}_meta.cpp"), ("Autograd", f"{op}_autograd.cpp")):
+    for key, file in (("CPU", f"cpu/{op}.cpp"), ("Meta", "schemas.cpp"), ("Autograd", f"{op}_autograd.cpp")):
         assert f"TORCH_LIBRARY_IMPL(tkfiles, {key}, m)" in (dest / "tkfiles/csrc" / file).read_text(), key
     assert "TORCH_LIBRARY_IMPL(tkfiles, CUDA, m)" in (dest / f"tkfiles/csrc/cuda/{op}_cuda.cu").read_text()
     wrapper = (dest / "tkfiles/ops.py").read_text()
@@ -163,6 +162,12 @@ def test_new_renders_a_complete_project_in_the_users_names(kind, tmp_path):
     build = (dest / "tkfiles/_build.py").read_text()
     listed = re.findall(r'"(csrc/[^"]+)"', build)
     assert listed and all((dest / "tkfiles" / src).is_file() for src in listed), listed
+    # ... and every source file is listed, once; the longest compile (autograd) starts first.
+    csrc = dest / "tkfiles/csrc"
+    sources = {f"csrc/{p.relative_to(csrc).as_posix()}" for p in csrc.rglob("*") if p.suffix in (".cpp", ".cu")}
+    assert sorted(listed) == sorted(sources), (listed, sources)
+    assert listed[0] == f"csrc/{op}_autograd.cpp", listed
+    assert not (dest / f"tkfiles/csrc/{op}_meta.cpp").exists()  # the Meta kernels are in schemas.cpp
 
 
 def test_new_defaults_are_todays_ops(tmp_path):

@@ -46,14 +46,18 @@ def camel(op: str) -> str:
 
 def _sources(spec: Spec) -> tuple[str, str]:
     op = spec.op
-    cpu = [f"csrc/{op}_meta.cpp", f"csrc/{op}_autograd.cpp", f"csrc/cpu/{op}.cpp"]
+    # Longest compile first: the build starts them in this order, so the
+    # autograd file (torch's autograd headers and templates) runs alongside
+    # all the others instead of last.
+    cpu = [f"csrc/{op}_autograd.cpp", f"csrc/cpu/{op}.cpp", "csrc/schemas.cpp"]
     if spec.kind != "blank":
         cpu += [
             "# The loops, compiled once per instruction set; picked at run time.",
-            f"csrc/cpu/{op}_default.cpp",
-            f"csrc/cpu/{op}_avx2.cpp",
             f"csrc/cpu/{op}_avx512.cpp",
+            f"csrc/cpu/{op}_avx2.cpp",
+            f"csrc/cpu/{op}_default.cpp",
         ]
+    cpu.append("csrc/module.cpp")
     lines = [ln if ln.startswith("#") else f'"{ln}",' for ln in cpu]
     return "\n".join(lines), f'"csrc/cuda/{op}_cuda.cu",'
 
@@ -66,7 +70,6 @@ def _texts(spec: Spec) -> dict[str, str]:
     make = "\n".join(f"    {i} = torch.randn(64, 1000)" for i in ins)
     common_rows = [
         (f"{n}/csrc/{op}_checks.h", "the argument contract (SymInt-aware), shared by the CPU, CUDA and Meta kernels"),
-        (f"{n}/csrc/{op}_meta.cpp", "the shape functions (Meta kernels) for torch.compile and opcheck"),
         (f"{n}/csrc/{op}_autograd.cpp", "autograd: a `torch::autograd::Function` per op (Autograd key)"),
         (f"{n}/csrc/{n}/ops.h", "the ops for C++ callers, through the dispatcher"),
     ]
