@@ -46,9 +46,10 @@ def test_merge_reads_back_what_was_written(tmp_path):
         models_report.write_json([models.CellResult(cell, timed)], str(paths[-1]), "cuda", env)
     env_back, results = models_report.read_json(str(paths[1]))
     assert env_back == env and results[0].providers["eager"].ms == 3.0
-    out = tmp_path / "merged.md"
+    out, chart = tmp_path / "merged.md", tmp_path / "merged.png"
     cmd = [sys.executable, "-m", "opforge", "bench", "models", "--merge", *map(str, paths), "--markdown", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run(cmd + ["--plot", str(chart)], check=True, capture_output=True)
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = out.read_text()
     assert "Test GPU" in text and "| mobilenet_v2 |" in text and "| resnet18 |" in text
     assert "| 2.00x |" in text and "| 3.00x |" in text  # optimize / eager per row

@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="JSON",
         default=None,
-        help="run nothing: merge the results of earlier --json files into one table (--json / --markdown)",
+        help="run nothing: merge the results of earlier --json files into one table (--json / --markdown / --plot)",
     )
 
 
@@ -85,6 +85,7 @@ def run(args) -> int:
     if args.markdown:
         models_report.write_markdown(results, args.markdown, device)
         print(f"wrote {args.markdown}")
+    _plot(args, models_report, results)
     return 1 if any(t.status.startswith("failed") for r in results for t in r.providers.values()) else 0
 
 
@@ -102,4 +103,16 @@ def _merge(args, models_report) -> int:
     if args.markdown:
         models_report.write_markdown(results, args.markdown, device, env)
         print(f"wrote {args.markdown}")
+    _plot(args, models_report, results)
     return 0
+
+
+def _plot(args, models_report, results) -> None:
+    if not args.plot:
+        return
+    try:
+        models_report.write_plot(results, args.plot)
+    except ImportError:
+        print(f"opforge bench {NAME}: --plot needs matplotlib (pip install matplotlib); no chart written")
+        return
+    print(f"wrote {args.plot}")

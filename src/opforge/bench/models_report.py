@@ -1,4 +1,4 @@
-"""``opforge bench models`` results: a table (ms and speed-ups), Markdown and JSON."""
+"""``opforge bench models`` results: a table (ms and speed-ups), Markdown, JSON and a chart."""
 
 from __future__ import annotations
 
@@ -94,3 +94,35 @@ def write_markdown(results: list[CellResult], path: str, device: str, env: dict 
     ]
     lines += ["| " + " | ".join(b) + " |" for b in body]
     Path(path).write_text("\n".join(lines) + "\n")
+
+
+def write_plot(results: list[CellResult], path: str) -> None:
+    """One group of bars per cell: each provider's speed-up over eager (log scale), the
+    providers that did not run left out. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    names = [p for p in PROVIDERS if p != "eager" and any(p in r.providers for r in results)]
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(results) + 3), 5.5), constrained_layout=True)
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        ys = []
+        for r in results:
+            eager, t = r.providers.get("eager"), r.providers.get(name)
+            ok = eager is not None and t is not None and eager.ms and t.ms
+            ys.append(eager.ms / t.ms if ok else float("nan"))
+        ax.bar([i + (j - (len(names) - 1) / 2) * width for i in range(len(results))], ys, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_ylabel("speed-up over eager (log scale)")
+    ax.set_xticks(range(len(results)))
+    labels = [f"{r.cell.model}\n{r.cell.dtype} b{r.cell.batch} {r.cell.layout}\n{r.cell.mode}" for r in results]
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.legend(fontsize=7, ncol=3)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
