@@ -76,6 +76,15 @@ def test_forced_replacement_keeps_outputs(name):
         torch.testing.assert_close(fast(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
 
 
+def assert_same_gradients(model, fast, x):
+    """One backward of the same loss through both models gives the same parameter gradients."""
+    for m in (model, fast):
+        torch.optim.SGD(m.parameters(), lr=0.1).zero_grad()
+        m(x).square().mean().backward()
+    for p, q in zip(model.parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("act", [torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardswish, torch.nn.SiLU])
 def test_training_fuses_activation_and_trains_the_same(act):
     """In training mode conv + activation (no BatchNorm between) fuse, forward and backward."""
@@ -86,12 +95,7 @@ def test_training_fuses_activation_and_trains_the_same(act):
     fast, report = opforge.optimize(model, report=True, force=True)
     assert [type(m) for m in fast] == [opforge.nn.Conv2d3x3, torch.nn.Identity] * 2, str(report)
     assert all(f"{act.__name__} fused" in r.action for r in report.layers), str(report)
-    x = torch.randn(2, 3, 16, 16)
-    for m in (model, fast):
-        torch.optim.SGD(m.parameters(), lr=0.1).zero_grad()
-        m(x).square().mean().backward()
-    for p, q in zip(model.parameters(), fast.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4)
+    assert_same_gradients(model, fast, torch.randn(2, 3, 16, 16))
 
 
 @pytest.mark.parametrize("act", [torch.nn.ReLU6, torch.nn.SiLU])
@@ -102,12 +106,7 @@ def test_pointwise_convs_fuse_and_train_the_same(act):
     fast, report = opforge.optimize(model, report=True, force=True)
     assert [type(m) for m in fast] == [opforge.nn.Conv2d1x1, torch.nn.Identity] * 2, str(report)
     assert all("opforge conv2d_1x1" in r.action for r in report.layers), str(report)
-    x = torch.randn(2, 3, 16, 16)
-    for m in (model, fast):
-        torch.optim.SGD(m.parameters(), lr=0.1).zero_grad()
-        m(x).square().mean().backward()
-    for p, q in zip(model.parameters(), fast.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4)
+    assert_same_gradients(model, fast, torch.randn(2, 3, 16, 16))
 
 
 def test_optimized_model_exports():

@@ -24,7 +24,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from sweep_common import copy_bandwidth_gbs, summarize, time_ms
+from sweep_common import collect_conv_shapes, copy_bandwidth_gbs, summarize, time_ms
 
 MODELS = (
     "mobilenet_v2",
@@ -37,35 +37,22 @@ MODELS = (
 )
 
 
+def _supported_depthwise(m: torch.nn.Conv2d) -> bool:
+    if m.kernel_size != (3, 3) or m.groups == 1 or m.groups != m.in_channels:
+        return False
+    if m.dilation != (1, 1) or m.padding_mode != "zeros" or m.stride[0] != m.stride[1]:
+        return False
+    return m.stride[0] in (1, 2) and m.padding in ((0, 0), (1, 1))
+
+
 def collect_shapes(names=MODELS, image=224) -> dict[tuple, list[str]]:
     """{(C, H, W, stride, padding, multiplier): [model names]} of the supported depthwise 3x3 convs."""
-    import torchvision
-
-    shapes: dict[tuple, list[str]] = {}
-    for name in names:
-        model = getattr(torchvision.models, name)(weights=None).eval()
-        hooks = []
-        for m in model.modules():
-            if not isinstance(m, torch.nn.Conv2d) or m.kernel_size != (3, 3) or m.groups != m.in_channels:
-                continue
-            if m.groups == 1 or m.dilation != (1, 1) or m.padding_mode != "zeros":
-                continue
-            if m.stride[0] != m.stride[1] or m.stride[0] not in (1, 2) or m.padding not in ((0, 0), (1, 1)):
-                continue
-
-            def hook(mod, args, name=name):
-                _, c, h, w = args[0].shape
-                key = (c, h, w, mod.stride[0], mod.padding[0], mod.out_channels // c)
-                shapes.setdefault(key, [])
-                if name not in shapes[key]:
-                    shapes[key].append(name)
-
-            hooks.append(m.register_forward_pre_hook(hook))
-        with torch.no_grad():
-            model(torch.randn(1, 3, image, image))
-        for h in hooks:
-            h.remove()
-    return shapes
+    return collect_conv_shapes(
+        names,
+        _supported_depthwise,
+        lambda m, s: (s[1], s[2], s[3], m.stride[0], m.padding[0], m.out_channels // s[1]),
+        image,
+    )
 
 
 def run_case(key, n, dtype, channels_last):

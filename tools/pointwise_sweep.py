@@ -26,7 +26,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sweep_common import copy_bandwidth_gbs, summarize, time_ms
+from sweep_common import collect_conv_shapes, copy_bandwidth_gbs, summarize, time_ms
 
 MODELS = (
     "mobilenet_v2",
@@ -42,31 +42,14 @@ MODELS = (
 
 def collect_shapes(names=MODELS, image=224) -> dict[tuple, list[str]]:
     """{(C, K, H, W, stride): [model names]} of the 1x1 convs opforge.conv2d_1x1 runs."""
-    import torchvision
-
-    shapes: dict[tuple, list[str]] = {}
-    for name in names:
-        model = getattr(torchvision.models, name)(weights=None).eval()
-        hooks = []
-        for m in model.modules():
-            if not isinstance(m, torch.nn.Conv2d) or m.kernel_size != (1, 1) or m.groups != 1:
-                continue
-            if m.padding not in ((0, 0), "valid") or m.stride[0] != m.stride[1]:
-                continue
-
-            def hook(mod, args, name=name):
-                _, c, h, w = args[0].shape
-                key = (c, mod.out_channels, h, w, mod.stride[0])
-                shapes.setdefault(key, [])
-                if name not in shapes[key]:
-                    shapes[key].append(name)
-
-            hooks.append(m.register_forward_pre_hook(hook))
-        with torch.no_grad():
-            model(torch.randn(1, 3, image, image))
-        for h in hooks:
-            h.remove()
-    return shapes
+    return collect_conv_shapes(
+        names,
+        lambda m: (
+            m.kernel_size == (1, 1) and m.groups == 1 and m.padding in ((0, 0), "valid") and m.stride[0] == m.stride[1]
+        ),
+        lambda m, s: (s[1], m.out_channels, s[2], s[3], m.stride[0]),
+        image,
+    )
 
 
 _TORCH_ACT = {None: lambda t: t, "hardswish": F.hardswish}

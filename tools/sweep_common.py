@@ -1,4 +1,4 @@
-"""Timing and summary helpers shared by the layer sweeps (depthwise_sweep.py, pointwise_sweep.py)."""
+"""Shape collection, timing and summary helpers shared by the layer sweeps (depthwise_sweep.py, pointwise_sweep.py)."""
 
 from __future__ import annotations
 
@@ -45,3 +45,30 @@ def summarize(cases, direction, floor_gbs=None):
         out["over_8MB"] = len(big)
         out["over_8MB_under_60pct_floor"] = sum(f < 0.6 for f in frac)
     return out
+
+
+def collect_conv_shapes(names, accept, key, image=224) -> dict[tuple, list[str]]:
+    """{key(conv, input shape): [model names]} over the ``nn.Conv2d`` layers of torchvision's
+    models ``names`` for which ``accept(conv)`` holds, read with forward hooks on one
+    224x224 image (the shapes the models themselves give their layers)."""
+    import torchvision
+
+    shapes: dict[tuple, list[str]] = {}
+    for name in names:
+        model = getattr(torchvision.models, name)(weights=None).eval()
+        hooks = []
+        for m in model.modules():
+            if not isinstance(m, torch.nn.Conv2d) or not accept(m):
+                continue
+
+            def hook(mod, args, name=name):
+                models = shapes.setdefault(key(mod, tuple(args[0].shape)), [])
+                if name not in models:
+                    models.append(name)
+
+            hooks.append(m.register_forward_pre_hook(hook))
+        with torch.no_grad():
+            model(torch.randn(1, 3, image, image))
+        for h in hooks:
+            h.remove()
+    return shapes

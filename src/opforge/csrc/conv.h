@@ -74,6 +74,39 @@ inline void check_bias(const char* op, const at::Tensor& x, const std::optional<
               shape(bias->sym_sizes()));
 }
 
+// What every op of the family checks first: float x (N, C, H, W) or (C, H, W)
+// and a 4-d weight with an RxR kernel (`weight_shape` names the expected
+// shape), of x's dtype and device. Returns the Shape with Ho and Wo still 0.
+inline Shape check_x_and_weight(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t R,
+                                const char* weight_shape, int64_t stride, int64_t padding, int64_t groups) {
+  check_float_tensor(x, op, "x");
+  check_float_tensor(w, op, "weight");
+  TORCH_CHECK(x.dim() == 3 || x.dim() == 4, op, ": x must be a 3-d (C, H, W) or 4-d (N, C, H, W) tensor, got ",
+              num(x.dim()), "-d with shape ", shape(x.sym_sizes()));
+  check_dim(w, 4, op, "weight");
+  const auto ws = w.sym_sizes();
+  TORCH_CHECK_VALUE(ws[2] == R && ws[3] == R, op, ": weight must have a ", num(R), "x", num(R), " kernel (shape ",
+                    weight_shape, "), got shape ", shape(ws));
+  check_same_device(x, "x", w, "weight", op);
+  TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), op, ": x and weight must have the same dtype, got x ",
+                   dtype_name(x.scalar_type()), " and weight ", dtype_name(w.scalar_type()));
+  const bool unbatched = x.dim() == 3;
+  const auto xs = x.sym_sizes();
+  const int64_t d = unbatched ? 1 : 0;  // x's dims are (N,) C, H, W
+  return Shape{unbatched ? c10::SymInt(1) : xs[0],
+               xs[1 - d],
+               xs[2 - d],
+               xs[3 - d],
+               ws[0],
+               c10::SymInt(0),
+               c10::SymInt(0),
+               stride,
+               padding,
+               groups,
+               unbatched,
+               groups > 1};
+}
+
 // The family's one argument contract (forward and backward): float x and
 // weight of one dtype and device, x (N, C, H, W) or (C, H, W), weight
 // (K, C / groups, 3, 3) with groups 1 or C, stride 1 or 2, padding 0 or 1,
@@ -82,34 +115,10 @@ inline void check_bias(const char* op, const at::Tensor& x, const std::optional<
 // shapes that do not fit), ValueError for what opforge does not support.
 inline Shape check_conv_args(const char* op, const at::Tensor& x, const at::Tensor& w,
                              const std::optional<at::Tensor>& bias, int64_t stride, int64_t padding, int64_t groups) {
-  check_float_tensor(x, op, "x");
-  check_float_tensor(w, op, "weight");
-  TORCH_CHECK(x.dim() == 3 || x.dim() == 4, op, ": x must be a 3-d (C, H, W) or 4-d (N, C, H, W) tensor, got ",
-              num(x.dim()), "-d with shape ", shape(x.sym_sizes()));
-  check_dim(w, 4, op, "weight");
-  const auto ws = w.sym_sizes();
-  TORCH_CHECK_VALUE(ws[2] == 3 && ws[3] == 3, op,
-                    ": weight must have a 3x3 kernel (shape (K, C/groups, 3, 3)), got shape ", shape(ws));
-  check_same_device(x, "x", w, "weight", op);
-  TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), op, ": x and weight must have the same dtype, got x ",
-                   dtype_name(x.scalar_type()), " and weight ", dtype_name(w.scalar_type()));
+  Shape s = check_x_and_weight(op, x, w, 3, "(K, C/groups, 3, 3)", stride, padding, groups);
   TORCH_CHECK_VALUE(stride == 1 || stride == 2, op, ": stride must be 1 or 2, got ", num(stride));
   TORCH_CHECK_VALUE(padding == 0 || padding == 1, op, ": padding must be 0 or 1, got ", num(padding));
-  const bool unbatched = x.dim() == 3;
-  const auto xs = x.sym_sizes();
-  const int64_t d = unbatched ? 1 : 0;  // x's dims are (N,) C, H, W
-  Shape s{unbatched ? c10::SymInt(1) : xs[0],
-          xs[1 - d],
-          xs[2 - d],
-          xs[3 - d],
-          ws[0],
-          c10::SymInt(0),
-          c10::SymInt(0),
-          stride,
-          padding,
-          groups,
-          unbatched,
-          groups > 1};
+  const auto ws = w.sym_sizes();
   TORCH_CHECK_VALUE(groups == 1 || (groups > 0 && s.C == groups), op,
                     ": groups must be 1 or the number of input channels (", num(s.C), "), got ", num(groups));
   TORCH_CHECK(ws[1] * groups == s.C, op, ": weight must have C/groups = ", num(s.C / groups),

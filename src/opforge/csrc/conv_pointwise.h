@@ -22,35 +22,11 @@ inline constexpr const char* kPointwiseOp = "opforge.conv2d_1x1";
 inline Shape check_pointwise_args(const char* op, const at::Tensor& x, const at::Tensor& w,
                                   const std::optional<at::Tensor>& bias, c10::IntArrayRef stride_pair,
                                   std::optional<std::string_view> activation, Activation& act) {
-  check_float_tensor(x, op, "x");
-  check_float_tensor(w, op, "weight");
-  TORCH_CHECK(x.dim() == 3 || x.dim() == 4, op, ": x must be a 3-d (C, H, W) or 4-d (N, C, H, W) tensor, got ",
-              num(x.dim()), "-d with shape ", shape(x.sym_sizes()));
-  check_dim(w, 4, op, "weight");
-  const auto ws = w.sym_sizes();
-  TORCH_CHECK_VALUE(ws[2] == 1 && ws[3] == 1, op, ": weight must have a 1x1 kernel (shape (K, C, 1, 1)), got shape ",
-                    shape(ws));
-  check_same_device(x, "x", w, "weight", op);
-  TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), op, ": x and weight must have the same dtype, got x ",
-                   dtype_name(x.scalar_type()), " and weight ", dtype_name(w.scalar_type()));
   const int64_t stride = check_pair(op, "stride", stride_pair);
+  Shape s = check_x_and_weight(op, x, w, 1, "(K, C, 1, 1)", stride, 0, 1);
   TORCH_CHECK_VALUE(stride >= 1, op, ": stride must be at least 1, got ", num(stride));
   act = parse_activation(op, activation);
-  const bool unbatched = x.dim() == 3;
-  const auto xs = x.sym_sizes();
-  const int64_t d = unbatched ? 1 : 0;  // x's dims are (N,) C, H, W
-  Shape s{unbatched ? c10::SymInt(1) : xs[0],
-          xs[1 - d],
-          xs[2 - d],
-          xs[3 - d],
-          ws[0],
-          c10::SymInt(0),
-          c10::SymInt(0),
-          stride,
-          0,
-          1,
-          unbatched,
-          false};
+  const auto ws = w.sym_sizes();
   TORCH_CHECK(ws[1] == s.C, op, ": weight must have ", num(s.C), " input channels (dim 1) for x with ", num(s.C),
               " channels (groups is 1), got weight shape ", shape(ws));
   TORCH_CHECK(s.K >= 1, op, ": weight must have at least one output channel, got shape ", shape(ws));
