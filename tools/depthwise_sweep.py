@@ -19,12 +19,11 @@ written once, at the copy bandwidth measured in the same run).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
-from sweep_common import collect_conv_shapes, copy_bandwidth_gbs, summarize, time_ms
+from sweep_common import collect_conv_shapes, copy_bandwidth_gbs, run_recorded, summarize, time_ms, write_report
 
 MODELS = (
     "mobilenet_v2",
@@ -104,15 +103,7 @@ def main(argv=None) -> int:
                 for cl in (False, True):
                     name = f"N{n} C{key[0]} {key[1]}x{key[2]} s{key[3]} p{key[4]} m{key[5]} {str(dtype)[6:]} "
                     name += ("NHWC" if cl else "NCHW") + f" ({','.join(models)})"
-                    try:
-                        r = run_case(key, n, dtype, cl)
-                    except Exception as exc:  # a failing case is reported, not skipped silently
-                        torch.cuda.synchronize()
-                        errors.append({"case": name, "error": str(exc).splitlines()[0]})
-                        print(f"FAILED {name}: {errors[-1]['error']}", flush=True)
-                        continue
-                    r["case"] = name
-                    cases.append(r)
+                    run_recorded(name, run_case, (key, n, dtype, cl), cases, errors)
     summary = {
         "shapes": len(shapes),
         "copy_gbs": floor,
@@ -121,10 +112,7 @@ def main(argv=None) -> int:
         "max_rel_err": max(c["max_rel_err"] for c in cases),
         "failed": errors,
     }
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": summary, "cases": cases}, f, indent=1)
+    write_report(summary, cases, args.json)
     return 1 if errors else 0
 
 

@@ -19,14 +19,13 @@ under 60% of the device-copy floor (input read once, output written once).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from sweep_common import collect_conv_shapes, copy_bandwidth_gbs, summarize, time_ms
+from sweep_common import collect_conv_shapes, copy_bandwidth_gbs, run_recorded, summarize, time_ms, write_report
 
 MODELS = (
     "mobilenet_v2",
@@ -102,16 +101,8 @@ def main(argv=None) -> int:
                     for activation in (None, "hardswish"):
                         name = f"N{n} C{key[0]}->{key[1]} {key[2]}x{key[3]} s{key[4]} {str(dtype)[6:]} "
                         name += ("NHWC" if cl else "NCHW") + f" {activation or 'bias'} ({','.join(models)})"
-                        try:
-                            r = run_case(key, n, dtype, cl, activation)
-                        except Exception as exc:  # a failing case is reported, not skipped silently
-                            torch.cuda.synchronize()
-                            errors.append({"case": name, "error": str(exc).splitlines()[0]})
-                            print(f"FAILED {name}: {errors[-1]['error']}", flush=True)
-                            continue
-                        r["case"] = name
-                        r["layout"] = "NHWC" if cl else "NCHW"
-                        cases.append(r)
+                        args = (key, n, dtype, cl, activation)
+                        run_recorded(name, run_case, args, cases, errors, layout="NHWC" if cl else "NCHW")
     summary = {
         "shapes": len(shapes),
         "shapes_timed": done,
@@ -122,10 +113,7 @@ def main(argv=None) -> int:
     }
     for layout in ("NHWC", "NCHW"):
         summary[f"forward_{layout}"] = summarize([c for c in cases if c["layout"] == layout], "fwd", floor)
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": summary, "cases": cases}, f, indent=1)
+    write_report(summary, cases, args.json)
     return 1 if errors else 0
 
 

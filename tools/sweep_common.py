@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -72,3 +73,24 @@ def collect_conv_shapes(names, accept, key, image=224) -> dict[tuple, list[str]]
         for h in hooks:
             h.remove()
     return shapes
+
+
+def run_recorded(name: str, run, args: tuple, cases: list, errors: list, **extra) -> None:
+    """``run(*args)`` as the sweep case ``name``: its result dict joins ``cases`` (with
+    ``extra``), an exception joins ``errors``, reported and never skipped silently."""
+    try:
+        result = run(*args)
+    except Exception as exc:
+        torch.cuda.synchronize()
+        errors.append({"case": name, "error": str(exc).splitlines()[0]})
+        print(f"FAILED {name}: {errors[-1]['error']}", flush=True)
+        return
+    cases.append({**result, "case": name, **extra})
+
+
+def write_report(summary: dict, cases: list, path: str | None) -> None:
+    """Print the summary; with a path, write it and every case as JSON."""
+    print(json.dumps(summary, indent=1))
+    if path:
+        with open(path, "w") as f:
+            json.dump({"summary": summary, "cases": cases}, f, indent=1)

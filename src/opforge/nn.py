@@ -154,7 +154,7 @@ class Conv2d3x3(torch.nn.Module):
             conv.groups,
             conv.bias is not None,
             "relu" if relu else activation,
-            device=conv.weight.device,
+            device="meta",
             dtype=conv.weight.dtype,
         )
         return _with_params_of(layer, conv)

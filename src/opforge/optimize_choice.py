@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .nn import Conv2d1x1, Conv2d3x3, _with_params_of
+from .nn import Conv2d1x1, Conv2d3x3
 
 _cache: dict[tuple, tuple[bool, str]] = {}
 # opforge's kernel must be this much faster (3%) to replace torch's layers.
@@ -63,20 +63,8 @@ class ConvCandidate:
 
     def module(self) -> torch.nn.Module:
         """opforge's layer, with the conv's parameters (same values, dtype, device and memory format)."""
-        c = self.conv
-        if self.op == "conv2d_1x1":
-            return Conv2d1x1.from_conv(c, self.activation)
-        layer = Conv2d3x3(
-            c.in_channels,
-            c.out_channels,
-            self.stride,
-            self.padding,
-            c.groups,
-            bias=c.bias is not None,
-            activation=self.activation,
-            device="meta",
-        )
-        return _with_params_of(layer, c)
+        layer = Conv2d1x1 if self.op == "conv2d_1x1" else Conv2d3x3
+        return layer.from_conv(self.conv, activation=self.activation)
 
 
 def _layout(x: torch.Tensor) -> str:

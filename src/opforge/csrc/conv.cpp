@@ -87,31 +87,36 @@ std::pair<at::Tensor, std::optional<at::Tensor>> grad_through_activation(const a
 }
 
 // The backward through ATen's convolution_backward on the (masked) gradient;
-// used by the CPU, and by CUDA for the dense case without a bias gradient.
+// used by the CPU, by CUDA for the dense case without a bias gradient, and
+// by conv2d_1x1's autograd on both. Sizes are read as SymInts, so that it
+// traces under torch.compile's dynamic shapes too.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tensor& grad_out,
                                                                  const std::optional<at::Tensor>& result,
                                                                  const at::Tensor& x, const at::Tensor& w,
-                                                                 const Geometry& g, std::array<bool, 3> mask) {
+                                                                 int64_t stride, int64_t pad, int64_t groups,
+                                                                 std::array<bool, 3> mask) {
   const at::Tensor g_m = (result.has_value() && result->defined()) ? relu_masked_grad(grad_out, *result) : grad_out;
   auto empty = [&] { return at::empty({0}, x.options()); };
   if (!(mask[0] || mask[1] || mask[2])) return {empty(), empty(), empty()};
   at::Tensor gx, gw, gb;
   const auto dtype = x.scalar_type();
-  if (x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16) && x.numel() > 0 && g_m.numel() > 0) {
+  const bool work = x.sym_numel() > 0 && g_m.sym_numel() > 0;
+  if (x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16) && work) {
     // oneDNN's half-precision CPU backward rounds partial sums; compute in
     // float32 and round once, as the forward does.
-    auto r = backward_via_aten(g_m.to(at::kFloat), std::nullopt, x.to(at::kFloat), w.to(at::kFloat), g, mask);
+    auto r = backward_via_aten(g_m.to(at::kFloat), std::nullopt, x.to(at::kFloat), w.to(at::kFloat), stride, pad,
+                               groups, mask);
     return {std::get<0>(r).to(dtype), std::get<1>(r).to(dtype), std::get<2>(r).to(dtype)};
   }
-  if (x.numel() == 0 || g_m.numel() == 0) {
+  if (!work) {
     gx = at::zeros_like(x);
     gw = at::zeros_like(w);
-    gb = at::zeros({g.K}, x.options());
+    gb = at::zeros_symint({w.sym_size(0)}, x.options());
   } else {
-    std::vector<int64_t> bias_sizes{g.K};
-    std::tie(gx, gw, gb) =
-        at::convolution_backward(g_m, x, w, at::OptionalIntArrayRef(bias_sizes), {g.stride, g.stride}, {g.pad, g.pad},
-                                 {1, 1}, false, {0, 0}, g.groups, mask);
+    const std::vector<c10::SymInt> bias_sizes{w.sym_size(0)};
+    const std::vector<c10::SymInt> strides{stride, stride}, pads{pad, pad}, ones{1, 1}, zeros{0, 0};
+    std::tie(gx, gw, gb) = at::convolution_backward_symint(g_m, x, w, at::OptionalSymIntArrayRef(bias_sizes), strides,
+                                                           pads, ones, false, zeros, groups, mask);
   }
   // Layouts as the shape function states: grad x in x's format, grad weight contiguous.
   return {mask[0] ? gx.contiguous(out_format(x)) : empty(), mask[1] ? gw.contiguous() : empty(),

@@ -263,11 +263,13 @@ std::pair<at::Tensor, std::optional<at::Tensor>> grad_through_activation(const a
                                                                          const std::optional<at::Tensor>& result,
                                                                          std::string_view activation);
 // The backward through ATen's convolution_backward on the (masked) gradient,
-// all operands 4-d: every CPU case but the direct depthwise one, and the
-// dense CUDA case (cuDNN). Masked-out entries are (0,) tensors.
+// all operands 4-d (sizes may be symbolic): every CPU case but the direct
+// depthwise one, the dense CUDA case (cuDNN), and conv2d_1x1's autograd.
+// Masked-out entries are (0,) tensors.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tensor& grad_out,
                                                                  const std::optional<at::Tensor>& result,
                                                                  const at::Tensor& x, const at::Tensor& w,
-                                                                 const Geometry& g, std::array<bool, 3> mask);
+                                                                 int64_t stride, int64_t pad, int64_t groups,
+                                                                 std::array<bool, 3> mask);
 
 }  // namespace opforge::conv

@@ -62,35 +62,6 @@ at::Tensor conv2d_1x1_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
   return opforge::conv::unbatch(forward_cpu(o, g, act), s.unbatched);
 }
 
-// Gradients of conv1x1(x, w) + bias for the gradient of the pre-activation
-// (4-d operands), through ATen's convolution_backward with symbolic sizes,
-// so the backward traces under torch.compile's dynamic shapes. Half types on
-// the CPU are computed in float32 and rounded once (oneDNN rounds partial
-// sums). Masked-out entries are undefined (no gradient).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> pointwise_backward(const at::Tensor& grad, const at::Tensor& x,
-                                                                  const at::Tensor& w, int64_t stride,
-                                                                  std::array<bool, 3> mask) {
-  const auto dtype = x.scalar_type();
-  if (x.is_cpu() && (dtype == at::kHalf || dtype == at::kBFloat16)) {
-    auto [gx, gw, gb] = pointwise_backward(grad.to(at::kFloat), x.to(at::kFloat), w.to(at::kFloat), stride, mask);
-    return {gx.defined() ? gx.to(dtype) : gx, gw.defined() ? gw.to(dtype) : gw, gb.defined() ? gb.to(dtype) : gb};
-  }
-  at::Tensor gx, gw, gb;
-  if (x.sym_numel() == 0 || grad.sym_numel() == 0) {
-    gx = at::zeros_like(x);
-    gw = at::zeros_like(w);
-    gb = at::zeros_symint({w.sym_size(0)}, x.options());
-  } else {
-    const std::vector<c10::SymInt> bias_sizes{w.sym_size(0)};
-    const std::vector<c10::SymInt> strides{stride, stride}, zeros{0, 0}, ones{1, 1};
-    std::tie(gx, gw, gb) = at::convolution_backward_symint(grad, x, w, at::OptionalSymIntArrayRef(bias_sizes), strides,
-                                                           zeros, ones, false, zeros, 1, mask);
-  }
-  // grad x in x's memory format, grad weight contiguous.
-  return {mask[0] ? gx.contiguous(opforge::conv::out_format(x)) : at::Tensor(),
-          mask[1] ? gw.contiguous() : at::Tensor(), mask[2] ? gb : at::Tensor()};
-}
-
 // Saves x and weight, what the activation's derivative reads (the output
 // for relu and relu6; the pre-activation for hardswish and silu, which then
 // run as the convolution and torch's activation while a graph is recorded),
@@ -131,12 +102,12 @@ struct Conv2d1x1Function : torch::autograd::Function<Conv2d1x1Function> {
     const at::Tensor &x = saved[0], &w = saved[1];
     const std::optional<at::Tensor> result =
         saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::optional<at::Tensor>();
-    const auto [grad_z, relu_result] =
+    const auto [grad, relu_result] =
         opforge::conv::grad_through_activation(grads[0], result, ctx->saved_data["act"].toStringRef());
-    const at::Tensor grad = relu_result.has_value() ? opforge::conv::relu_masked_grad(grad_z, *relu_result) : grad_z;
     const bool unbatched = x.dim() == 3;
-    auto [gx, gw, gb] = pointwise_backward(opforge::conv::batched(grad, unbatched),
-                                           opforge::conv::batched(x, unbatched), w, p[0], mask);
+    auto [gx, gw, gb] = opforge::conv::backward_via_aten(opforge::conv::batched(grad, unbatched),
+                                                         opforge::conv::batched(relu_result, unbatched),
+                                                         opforge::conv::batched(x, unbatched), w, p[0], 0, 1, mask);
     if (mask[0]) out[0] = opforge::conv::unbatch(gx, unbatched);
     if (mask[1]) out[1] = std::move(gw);
     if (mask[2]) out[2] = std::move(gb);

@@ -166,7 +166,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
     const at::Tensor g4 = opforge::conv::batched(grad_out, u);
     const auto r4 = opforge::conv::batched(result, u);
     auto small = work ? opforge::conv::dense_backward_small_cpu(g4, r4, x4, w, g, mask) : std::nullopt;
-    std::tie(gx, gw, gb) = small.has_value() ? *small : opforge::conv::backward_via_aten(g4, r4, x4, w, g, mask);
+    std::tie(gx, gw, gb) =
+        small.has_value() ? *small : opforge::conv::backward_via_aten(g4, r4, x4, w, g.stride, g.pad, g.groups, mask);
   }
   return {opforge::conv::unbatch(gx, s.unbatched), gw, gb};
 }

@@ -217,9 +217,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& 
                                                               std::array<bool, 3> mask) {
   if (!mask[2] || grad_out.numel() == 0 || x_in.numel() == 0) {
     // 4-d views; an unbatched x as the contiguous batch of one its gradient is.
-    return opforge::conv::backward_via_aten(opforge::conv::batched(grad_out, unbatched),
-                                            opforge::conv::batched(result, unbatched),
-                                            unbatched ? x_in.unsqueeze(0).contiguous() : x_in, w_in, g, mask);
+    return opforge::conv::backward_via_aten(
+        opforge::conv::batched(grad_out, unbatched), opforge::conv::batched(result, unbatched),
+        unbatched ? x_in.unsqueeze(0).contiguous() : x_in, w_in, g.stride, g.pad, g.groups, mask);
   }
   const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in, unbatched);
   const bool conv_grads = mask[0] || mask[1];
