@@ -237,13 +237,59 @@ def test_folding_is_kept_only_where_it_does_not_time_slower(monkeypatch):
     assert isinstance(fast[0], torch.nn.Conv2d) and isinstance(fast[1], torch.nn.BatchNorm2d)
     assert action == "left" and reason.startswith("BatchNorm not folded: folded 20.0 us vs 10.0 us"), reason
     assert "measured 10.0 us vs 10.0 us" in reason
-    # the fold is slower alone, but opforge's kernel on the folded conv beats the pair
-    fast, action, reason = optimize_with_times([10.0, 20.0, 10.0, 5.0])
+    # the fold is slower alone, but opforge's kernel on the folded conv beats the pair, and then
+    # also the conv alone that torch.compile would run
+    fast, action, reason = optimize_with_times([10.0, 20.0, 10.0, 5.0, 6.0, 5.0])
     assert isinstance(fast[0], opforge.nn.Conv2d1x1) and isinstance(fast[1], torch.nn.Identity)
     assert action == "BatchNorm folded, opforge conv2d_1x1", action
+    assert not fast[0].torch_when_compiled
+    assert "measured 5.0 us vs 6.0 us for the conv and the one pass torch.compile runs" in reason, reason
     # the fold pays; opforge's kernel ties with the folded conv: the folded conv stays
     fast, action, reason = optimize_with_times([20.0, 10.0, 10.0, 10.0])
     assert isinstance(fast[0], torch.nn.Conv2d) and isinstance(fast[1], torch.nn.Identity)
     assert action == "BatchNorm folded" and "measured 10.0 us vs 10.0 us" in reason
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_layer_slower_than_inductors_form_traces_as_torch_ops(monkeypatch, kernel):
+    """A layer whose kernel beats torch's eager layers but not the conv alone (what inductor runs,
+    the bias and activation fused elsewhere) runs opforge's op in eager and torch's under compile."""
+    from opforge import optimize_choice
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, kernel, padding=kernel // 2), torch.nn.ReLU()).eval()
+    op, module = ("conv2d_1x1", opforge.nn.Conv2d1x1) if kernel == 1 else ("conv2d_3x3", opforge.nn.Conv2d3x3)
+    x = torch.randn(2, 8, 10, 10)
+    # eager: torch's layers 10 us, opforge 5 us; compiled: torch's conv + pass 4 us, opforge 5 us
+    calls = iter([10.0, 5.0, 4.0, 5.0])
+    monkeypatch.setattr(optimize_choice, "_cache", {})
+    monkeypatch.setattr(optimize_choice, "_median_us", lambda fn, device: (fn(), next(calls))[1])
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert next(calls, None) is None
+    layer = fast[0]
+    assert isinstance(layer, module) and layer.activation == "relu" and layer.torch_when_compiled
+    assert report.layers[0].action == f"opforge {op} + ReLU fused; torch's conv under torch.compile"
+    assert "torch_when_compiled=True" in repr(layer)
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fast, backend=capture, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+    traced = " ".join(str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function")
+    assert "conv2d" in traced and "opforge" not in traced, traced
+    # a layer that wins under compile too is traced as opforge's op
+    layer.torch_when_compiled = False
+    graphs.clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fast, backend=capture, fullgraph=True)(x)
+    traced = " ".join(str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function")
+    assert f"opforge.{op}" in traced, traced

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .ops.add import add, add_relu
 from .ops.conv import conv2d_1x1, conv2d_3x3
@@ -101,6 +102,11 @@ class Conv2d3x3(torch.nn.Module):
 
         block = torch.nn.Sequential(conv, torch.nn.ReLU6())
         fused = opforge.nn.Conv2d3x3.from_conv(block[0], activation="relu6")
+
+    ``torch_when_compiled = True`` makes the layer trace as torch's conv and
+    activation under ``torch.compile`` and ``torch.export`` (eager calls
+    still run opforge's op), for layers where inductor's own fusion of the
+    two is the faster one; ``opforge.optimize`` sets it from a timing.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class Conv2d3x3(torch.nn.Module):
         self.stride, self.padding, self.groups, self.activation = stride, padding, groups, activation
         self.weight = ref.weight
         self.bias = ref.bias
+        self.torch_when_compiled = False
 
     @classmethod
     def from_conv(cls, conv: torch.nn.Conv2d, relu: bool = False, activation: str | None = None) -> Conv2d3x3:
@@ -160,13 +167,26 @@ class Conv2d3x3(torch.nn.Module):
         return _with_params_of(layer, conv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.torch_when_compiled and torch.compiler.is_compiling():
+            return _torch_conv(self, x, self.padding, self.groups)
         return conv2d_3x3(x, self.weight, self.bias, self.stride, self.padding, self.groups, self.activation)
 
     def extra_repr(self) -> str:
         return (
             f"{self.in_channels}, {self.out_channels}, stride={self.stride}, padding={self.padding}, "
             f"groups={self.groups}, bias={self.bias is not None}, activation={self.activation!r}"
+            + (", torch_when_compiled=True" if self.torch_when_compiled else "")
         )
+
+
+_TORCH_ACTIVATIONS = {None: None, "relu": F.relu, "relu6": F.relu6, "hardswish": F.hardswish, "silu": F.silu}
+
+
+def _torch_conv(layer: torch.nn.Module, x: torch.Tensor, padding, groups: int) -> torch.Tensor:
+    """The layer as torch's own conv and activation (what it computes, in torch's ops)."""
+    y = F.conv2d(x, layer.weight, layer.bias, layer.stride, padding, 1, groups)
+    act = _TORCH_ACTIVATIONS[layer.activation]
+    return act(y) if act is not None else y
 
 
 def _with_params_of(layer: torch.nn.Module, conv: torch.nn.Conv2d) -> torch.nn.Module:
@@ -190,6 +210,8 @@ class Conv2d1x1(torch.nn.Module):
 
         block = torch.nn.Sequential(torch.nn.Conv2d(32, 192, 1), torch.nn.ReLU6())
         fused = opforge.nn.Conv2d1x1.from_conv(block[0], activation="relu6")
+
+    ``torch_when_compiled`` is as for :class:`Conv2d3x3`.
     """
 
     def __init__(
@@ -211,6 +233,7 @@ class Conv2d1x1(torch.nn.Module):
         self.stride, self.activation = stride, activation
         self.weight = ref.weight
         self.bias = ref.bias
+        self.torch_when_compiled = False
 
     @classmethod
     def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None) -> Conv2d1x1:
@@ -236,10 +259,13 @@ class Conv2d1x1(torch.nn.Module):
         return _with_params_of(layer, conv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.torch_when_compiled and torch.compiler.is_compiling():
+            return _torch_conv(self, x, 0, 1)
         return conv2d_1x1(x, self.weight, self.bias, self.stride, self.activation)
 
     def extra_repr(self) -> str:
         return (
             f"{self.in_channels}, {self.out_channels}, stride={self.stride}, "
             f"bias={self.bias is not None}, activation={self.activation!r}"
+            + (", torch_when_compiled=True" if self.torch_when_compiled else "")
         )

@@ -20,6 +20,11 @@ trace):
   swapped, and the report says so. ``force=True`` swaps every such layer
   without timing it: the outputs are the same, the speed is not chosen (for
   checking a model's numerics under opforge's kernels, or measuring them).
+- Under ``torch.compile`` (and export) a replaced layer is traced as
+  opforge's op only where that op is also faster than what inductor makes of
+  torch's conv (the conv, then its bias and activation fused into one pass);
+  elsewhere it is traced as torch's conv and activation, which inductor
+  fuses with their neighbours (the layer's ``torch_when_compiled``).
 
 The result is a copy (``inplace=True`` changes ``model`` itself) of the same
 type; ``report=True`` also returns an :class:`OptimizeReport` saying, layer
@@ -33,7 +38,7 @@ import dataclasses
 
 import torch
 
-from .optimize_choice import ConvCandidate, faster_with_opforge, folding_pays
+from .optimize_choice import ConvCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
 from .optimize_patterns import Chain, find_chains
 
@@ -134,14 +139,22 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         win, why = faster_with_opforge(candidate, act, x, before=kept)
         if not win:
             return leave(why)
-    _set(model, chain.conv, candidate.module())
+    layer = candidate.module()
+    compiled_note = ""
+    if not force and not candidate.conv.training:
+        # Under torch.compile the comparison is another one: inductor fuses torch's bias and activation.
+        compiled_win, compiled_why = faster_under_compile(candidate, act, x)
+        layer.torch_when_compiled = not compiled_win
+        why += "; " + compiled_why
+        compiled_note = "" if compiled_win else "; torch's conv under torch.compile"
+    _set(model, chain.conv, layer)
     actions = []
     if bn is not None:
         _set(model, chain.bn, torch.nn.Identity())
         actions.append("BatchNorm folded")
     if act_name is not None:
         _set(model, chain.act, torch.nn.Identity())
-    actions.append(f"opforge {candidate.op}" + (f" + {type(act).__name__} fused" if act_name else ""))
+    actions.append(f"opforge {candidate.op}" + (f" + {type(act).__name__} fused" if act_name else "") + compiled_note)
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
 
 

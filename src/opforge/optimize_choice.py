@@ -5,6 +5,11 @@ conv, then its activation module) against opforge's fused kernel, on the
 input the layer sees, on its device, dtype and memory format, in the mode
 (eval: forward; training: forward + backward) the model is in. Results are
 cached per process by everything that decides the kernel's speed.
+
+A second timing decides what the layer runs as under ``torch.compile``:
+there inductor fuses a conv's bias and activation into one pointwise pass
+(often into a neighbour's), so opforge's kernel is kept there only where it
+beats the conv alone plus that one pass, on the GPU's own clock.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from .nn import Conv2d1x1, Conv2d3x3
 
@@ -101,6 +107,83 @@ def _median_us(fn, device: torch.device, calls: int = 20, repeats: int = 7) -> f
         sync()
         samples.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(samples)
+
+
+def _gpu_us(fn, calls: int = 10, repeats: int = 5) -> float:
+    """fn's GPU time per call: ``calls`` calls captured in one CUDA graph and replayed, so
+    that the host's launch time, which compiled code mostly hides, is not counted."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+# The activations' one in-place pass, standing for the pointwise kernel inductor would write.
+_INPLACE_ACTIVATIONS = {
+    "relu": torch.relu_,
+    "relu6": lambda t: F.hardtanh_(t, 0.0, 6.0),
+    "hardswish": lambda t: F.hardswish(t, inplace=True),
+    "silu": lambda t: F.silu(t, inplace=True),
+}
+
+
+def _compiled_time_us(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        try:
+            return _gpu_us(fn)
+        except RuntimeError:  # not capturable: the host's clock instead
+            pass
+    return _median_us(fn, device)
+
+
+def faster_under_compile(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor):
+    """(opforge's layer is at least as fast as what torch.compile makes of torch's, the times as text).
+
+    torch.compile runs the conv without its bias and fuses bias and activation
+    into one pointwise pass, so torch's side is timed as the conv alone plus,
+    where there is an activation, one in-place pass; on CUDA both sides are
+    timed on the GPU's clock (a replayed CUDA graph). Inference only."""
+    key = ("compiled",) + _key(candidate, act, x)
+    if key in _cache:
+        return _cache[key]
+    ours = candidate.module()
+    c = candidate.conv
+    post = _INPLACE_ACTIVATIONS.get(candidate.activation) if candidate.activation else act
+
+    def theirs():
+        y = F.conv2d(x, c.weight, None, c.stride, c.padding, c.dilation, c.groups)
+        return post(y) if post is not None else y
+
+    def mine():
+        y = ours(x)
+        return act(y) if act is not None and candidate.activation is None else y
+
+    with torch.no_grad():
+        theirs_us = _compiled_time_us(theirs, x.device)
+        ours_us = _compiled_time_us(mine, x.device)
+    clock = "GPU time" if x.device.type == "cuda" else "measured"
+    result = (
+        ours_us * _MARGIN <= theirs_us,
+        f"{clock} {ours_us:.1f} us vs {theirs_us:.1f} us for the conv and the one pass torch.compile runs",
+    )
+    _cache[key] = result
+    return result
 
 
 def folding_pays(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, folded: torch.nn.Conv2d, x: torch.Tensor):

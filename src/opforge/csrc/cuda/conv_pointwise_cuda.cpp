@@ -4,8 +4,9 @@
 // torch allows TF32 for cuDNN convolutions, as F.conv2d does), except
 // float32 with more than 512 input channels, where cuDNN's Hopper kernels
 // are ahead on that compute-bound GEMM. A contiguous (NCHW) input, float64,
-// and every case that kernel declines go to cuDNN's convolution, then the
-// bias and activation as one pass over its output.
+// and every case that kernel declines go to cuDNN's convolution (with the
+// bias when there is no activation), then the bias and activation as one
+// pass over its output.
 // OPFORGE_CONV_1X1_ENGINE=opforge sends NCHW inputs to the tensor-core kernel
 // too (one transpose pass first), =aten sends everything to ATen (both for
 // benchmarking the choice).
@@ -50,9 +51,15 @@ at::Tensor conv2d_1x1_cuda(const at::Tensor& x, const at::Tensor& w, const std::
     }
   }
   if (g.C == 0 || g.N == 0) return opforge::conv::unbatch(opforge::conv::empty_output(g, o), s.unbatched);
-  at::Tensor y = at::convolution(o.x, o.w, std::nullopt, {g.stride, g.stride}, {0, 0}, {1, 1}, false, {0, 0}, 1);
+  // Without an activation the bias goes to ATen's convolution: that is F.conv2d's own call, which the
+  // pointwise sweep found faster than the bias as a pass of ours after a bias-less convolution.
+  const bool bias_in_conv = act == opforge::Activation::None && o.bias.defined();
+  at::Tensor y = at::convolution(o.x, o.w, bias_in_conv ? std::optional<at::Tensor>(o.bias) : std::nullopt,
+                                 {g.stride, g.stride}, {0, 0}, {1, 1}, false, {0, 0}, 1);
   if (!y.is_contiguous(o.fmt)) y = y.contiguous(o.fmt);
-  if (o.bias.defined() || act != opforge::Activation::None) opforge::conv::bias_act_cuda(y, o.bias, act, o.nhwc, g);
+  if (!bias_in_conv && (o.bias.defined() || act != opforge::Activation::None)) {
+    opforge::conv::bias_act_cuda(y, o.bias, act, o.nhwc, g);
+  }
   return opforge::conv::unbatch(y, s.unbatched);
 }
 
