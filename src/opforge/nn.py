@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from .ops.add import add, add_relu
-from .ops.conv import conv2d_1x1, conv2d_3x3
+from .nn_prepacked import PrepackedConv2d as PrepackedConv2d
+from .ops.conv import TORCH_ACTIVATIONS, conv2d_1x1, conv2d_3x3
 from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
 
 
@@ -179,13 +180,10 @@ class Conv2d3x3(torch.nn.Module):
         )
 
 
-_TORCH_ACTIVATIONS = {None: None, "relu": F.relu, "relu6": F.relu6, "hardswish": F.hardswish, "silu": F.silu}
-
-
 def _torch_conv(layer: torch.nn.Module, x: torch.Tensor, padding, groups: int) -> torch.Tensor:
     """The layer as torch's own conv and activation (what it computes, in torch's ops)."""
     y = F.conv2d(x, layer.weight, layer.bias, layer.stride, padding, 1, groups)
-    act = _TORCH_ACTIVATIONS[layer.activation]
+    act = TORCH_ACTIVATIONS[layer.activation]
     return act(y) if act is not None else y
 
 

@@ -38,7 +38,7 @@ import dataclasses
 
 import torch
 
-from .optimize_choice import ConvCandidate, faster_under_compile, faster_with_opforge, folding_pays
+from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
 from .optimize_patterns import Chain, find_chains
 
@@ -125,23 +125,35 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         return LayerReport(chain.conv, pattern, "left", "; ".join(r for r in (fold_note, reason) if r))
 
     act_name = _FUSABLE_ACTIVATIONS.get(type(act))
-    candidate = ConvCandidate.of(target, act_name)
-    if candidate is None:
-        return leave("opforge has no kernel for this conv")
+    # opforge's fused op where it has one; for CPU inference also oneDNN with a prepacked weight (timed only).
+    own = ConvCandidate.of(target, act_name)
+    candidates = [own] + ([] if force else [PrepackedCandidate.of(target, act_name, x)])
+    candidates = [c for c in candidates if c is not None]
+    no_kernel = "opforge has no kernel for this conv"
+    if not candidates:
+        return leave(no_kernel)
     if force:
-        why = "force=True: not timed"
+        candidate, why = candidates[0], "force=True: not timed"
     elif not measured:
         return leave("conv kept: pass example_inputs to time opforge's kernel on this layer's shape")
     elif x is None:
         return leave("not called by example_inputs")
     else:
-        # Against what the layer would otherwise run: torch's conv (folded or with its BatchNorm), then act.
-        win, why = faster_with_opforge(candidate, act, x, before=kept)
-        if not win:
-            return leave(why)
+        # Against what the layer would otherwise run: torch's conv (folded or with its BatchNorm), then
+        # act. Of the candidates that win, the fastest is taken.
+        timed = [(c, *faster_with_opforge(c, act, x, before=kept)) for c in candidates]
+        several = len(timed) > 1
+        whys = {c.op: (f"{c.label}: {why}" if several else why) for c, _, why, _ in timed}
+        wins = [(us, c) for c, win, _, us in timed if win]
+        if own is None:
+            whys = {"none": no_kernel, **whys}
+        if not wins:
+            return leave("; ".join(whys.values()))
+        candidate = min(wins, key=lambda t: t[0])[1]
+        why = "; ".join(whys.values())
     layer = candidate.module()
     compiled_note = ""
-    if not force and not candidate.conv.training:
+    if isinstance(candidate, ConvCandidate) and not force and not candidate.conv.training:
         # Under torch.compile the comparison is another one: inductor fuses torch's bias and activation.
         compiled_win, compiled_why = faster_under_compile(candidate, act, x)
         layer.torch_when_compiled = not compiled_win
@@ -154,7 +166,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         actions.append("BatchNorm folded")
     if act_name is not None:
         _set(model, chain.act, torch.nn.Identity())
-    actions.append(f"opforge {candidate.op}" + (f" + {type(act).__name__} fused" if act_name else "") + compiled_note)
+    actions.append(candidate.label + (f" + {type(act).__name__} fused" if act_name else "") + compiled_note)
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
 
 

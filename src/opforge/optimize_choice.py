@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .nn import Conv2d1x1, Conv2d3x3
+from .nn_prepacked import PrepackedConv2d, explicit_padding, onednn_runs
 
 _cache: dict[tuple, tuple[bool, str]] = {}
 # opforge's kernel must be this much faster (3%) to replace torch's layers.
@@ -67,28 +68,60 @@ class ConvCandidate:
         """The opforge op that would run the layer."""
         return "conv2d_1x1" if tuple(self.conv.kernel_size) == (1, 1) else "conv2d_3x3"
 
+    @property
+    def label(self) -> str:
+        return f"opforge {self.op}"
+
     def module(self) -> torch.nn.Module:
         """opforge's layer, with the conv's parameters (same values, dtype, device and memory format)."""
         layer = Conv2d1x1 if self.op == "conv2d_1x1" else Conv2d3x3
         return layer.from_conv(self.conv, activation=self.activation)
 
 
+@dataclasses.dataclass
+class PrepackedCandidate:
+    """The conv as a PrepackedConv2d: oneDNN with its weight reordered once and the activation as
+    its post-op, for CPU inference (any kernel size, stride, dilation and groups; zero padding)."""
+
+    conv: torch.nn.Conv2d
+    activation: str | None
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    op = "prepacked"
+    label = "oneDNN conv with a prepacked weight"
+
+    @classmethod
+    def of(cls, conv: torch.nn.Conv2d, activation: str | None, x: torch.Tensor | None) -> PrepackedCandidate | None:
+        if x is None or x.device.type != "cpu" or x.dim() != 4 or conv.training or not onednn_runs(x.dtype):
+            return None
+        padding = explicit_padding(conv)
+        if padding is None or conv.padding_mode != "zeros" or x.dtype != conv.weight.dtype:
+            return None
+        return cls(conv, activation, tuple(conv.stride), padding)
+
+    def module(self) -> torch.nn.Module:
+        return PrepackedConv2d.from_conv(self.conv, activation=self.activation)
+
+
 def _layout(x: torch.Tensor) -> str:
     return "cl" if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) else "nchw"
 
 
-def _key(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor) -> tuple:
+def _key(candidate: ConvCandidate | PrepackedCandidate, act: torch.nn.Module | None, x: torch.Tensor) -> tuple:
+    """The candidate's op, then everything of the layer and its input that decides the speed."""
     c = candidate.conv
     return (
+        candidate.op,
         str(x.device),
         x.dtype,
         _layout(x),
         tuple(x.shape),
         tuple(c.weight.shape),
         c.bias is not None,
-        candidate.stride,
-        candidate.padding,
+        tuple(c.stride),
+        str(c.padding),
         c.groups,
+        tuple(c.dilation),
         type(act).__name__ if act is not None else None,
         c.training,
     )
@@ -204,10 +237,26 @@ def folding_pays(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, folded: torch.
     return result
 
 
+def _run(modules, post, x: torch.Tensor, training: bool):
+    """The modules then ``post`` on x: a forward without a graph in eval mode, forward and backward in training."""
+
+    def call(t):
+        for m in modules:
+            t = m(t)
+        return post(t) if post is not None else t
+
+    if not training:
+        with torch.no_grad():
+            return call(x)
+    out = call(x.detach().requires_grad_())
+    out.sum().backward()
+    return out
+
+
 def faster_with_opforge(
-    candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor, before: tuple = ()
-) -> tuple[bool, str]:
-    """(opforge is at least as fast, the measured times as text), cached per process.
+    candidate: ConvCandidate | PrepackedCandidate, act: torch.nn.Module | None, x: torch.Tensor, before: tuple = ()
+) -> tuple[bool, str, float]:
+    """(opforge is at least as fast, the measured times as text, opforge's time), cached per process.
 
     opforge's layer (with ``candidate.activation`` fused, else followed by
     ``act``) against ``before`` (the modules the layer runs as otherwise,
@@ -216,26 +265,16 @@ def faster_with_opforge(
     key = _key(candidate, act, x) + (tuple(type(m).__name__ for m in layers),)
     if key in _cache:
         return _cache[key]
-    ours = candidate.module()
     training = candidate.conv.training
-
-    def run(modules, post):
-        def call(t):
-            for m in modules:
-                t = m(t)
-            return post(t) if post is not None else t
-
-        if not training:
-            with torch.no_grad():
-                return call(x)
-        out = call(x.detach().requires_grad_())
-        out.sum().backward()
-        return out
-
-    theirs_us = _median_us(lambda: run(layers, act), x.device)
-    ours_us = _median_us(lambda: run((ours,), None if candidate.activation else act), x.device)
+    # torch's layers are timed once per layer, however many candidates are timed against them.
+    theirs_key = ("torch",) + key[1:]
+    if theirs_key not in _cache:
+        _cache[theirs_key] = _median_us(lambda: _run(layers, act, x, training), x.device)
+    theirs_us = _cache[theirs_key]
+    ours = candidate.module()
+    ours_us = _median_us(lambda: _run((ours,), None if candidate.activation else act, x, training), x.device)
     # A tie within the timing's noise keeps torch's layers: replacing must pay.
     win = ours_us * _MARGIN <= theirs_us
-    result = (win, f"measured {ours_us:.1f} us vs {theirs_us:.1f} us for torch's layers")
+    result = (win, f"measured {ours_us:.1f} us vs {theirs_us:.1f} us for torch's layers", ours_us)
     _cache[key] = result
     return result

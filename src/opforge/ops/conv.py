@@ -42,11 +42,17 @@ bias and activation as one pass. On the CPU it is oneDNN's convolution and
 one pass.
 Its backward is ATen's (the activation's derivative, then
 ``convolution_backward``), so it is itself differentiable.
+
+On CUDA an NCHW input without an activation is ``F.conv2d``'s own call.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# Each activation name's torch function: what the fused kernels apply after the conv.
+TORCH_ACTIVATIONS = {None: None, "relu": F.relu, "relu6": F.relu6, "hardswish": F.hardswish, "silu": F.silu}
 
 # The overload packet: a str padding ("same" / "valid") picks conv2d_3x3.padding.
 _conv2d_3x3 = torch.ops.opforge.conv2d_3x3

@@ -1,0 +1,172 @@
+"""``PrepackedConv2d``: a CPU inference conv whose weight oneDNN reorders once, with its activation fused.
+
+ATen's CPU convolution hands oneDNN a plain (K, C/groups, kh, kw) weight, and
+oneDNN reorders it into its blocked layout on every call; for a layer with
+a small output that reorder is a large part of the call. This module keeps
+the reordered weight (rebuilt when the weight changes) and runs oneDNN's
+convolution with the activation as its post-op, one call and one write of
+the output, which is what ``torch.compile`` with freezing does for CPU
+convolutions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .ops.conv import TORCH_ACTIVATIONS
+
+# opforge's activation names -> oneDNN's post-op and its scalars.
+_POST_OPS = {None: ("none", []), "relu": ("relu", []), "relu6": ("hardtanh", [0.0, 6.0])}
+_POST_OPS.update({"hardswish": ("hardswish", []), "silu": ("swish", [])})
+
+
+def _pair(v, name: str) -> tuple[int, int]:
+    pair = tuple(v) if isinstance(v, (tuple, list)) else (v, v)
+    if len(pair) != 2 or not all(isinstance(p, int) and p >= 0 for p in pair):
+        raise ValueError(f"PrepackedConv2d: {name} must be an int or a pair of non-negative ints, got {v!r}")
+    return pair
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether this build and CPU run oneDNN's convolution for ``dtype`` (the fast path)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return False
+
+
+class PrepackedConv2d(torch.nn.Module):
+    """``activation(conv2d(x, weight, bias, stride, padding, dilation, groups))``, for CPU inference.
+
+    On a 4-d CPU input of a dtype oneDNN runs here (float32; bfloat16 and
+    float16 where the CPU has them), with no gradient being recorded, it is
+    one oneDNN convolution with the weight reordered once into oneDNN's
+    layout and the activation (None, ``"relu"``, ``"relu6"``, ``"hardswish"``,
+    ``"silu"``) as its post-op. Everywhere else (CUDA, training, other
+    dtypes, and while ``torch.compile`` or ``torch.export`` traces it, where
+    inductor's own freezing does the same) it is ``F.conv2d`` and the
+    activation. The parameters are ``weight`` and ``bias``, as in
+    ``nn.Conv2d``; the reordered copy is a cache, rebuilt when the weight is
+    changed or moved, and never saved::
+
+        conv = torch.nn.Conv2d(32, 64, 3, padding=1).eval()
+        fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
+        with torch.no_grad():
+            y = fast(torch.randn(1, 32, 56, 56))   # == F.relu(conv(x))
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        activation: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if activation not in _POST_OPS:
+            raise ValueError(
+                "PrepackedConv2d: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', "
+                f"got {activation!r}"
+            )
+        self.stride, self.padding = _pair(stride, "stride"), _pair(padding, "padding")
+        self.dilation = _pair(dilation, "dilation")
+        # nn.Conv2d checks the channels and groups, and initialises the parameters as it does.
+        ref = torch.nn.Conv2d(
+            in_channels, out_channels, kernel_size, self.stride, self.padding, self.dilation, groups, bias,
+            device=device, dtype=dtype,
+        )  # fmt: skip
+        self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, ref.kernel_size
+        self.groups, self.activation = groups, activation
+        self.weight, self.bias = ref.weight, ref.bias
+        self._packed, self._packed_for = None, None
+
+    @classmethod
+    def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None) -> PrepackedConv2d:
+        """``conv`` followed by ``activation``, with copies of its parameters (same dtype, device,
+        memory format and requires_grad) and in its mode."""
+        if not isinstance(conv, torch.nn.Conv2d):
+            raise TypeError(f"PrepackedConv2d.from_conv: conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
+        padding = explicit_padding(conv)
+        if padding is None or conv.padding_mode != "zeros":
+            raise ValueError(
+                "PrepackedConv2d.from_conv: conv needs zero padding of a size both sides share, got padding "
+                f"{conv.padding!r} and padding_mode {conv.padding_mode!r}"
+            )
+        layer = cls(
+            conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride), padding,
+            tuple(conv.dilation), conv.groups, conv.bias is not None, activation,
+            device="meta", dtype=conv.weight.dtype,
+        )  # fmt: skip
+        layer.weight = torch.nn.Parameter(conv.weight.detach().clone(), conv.weight.requires_grad)
+        if conv.bias is not None:
+            layer.bias = torch.nn.Parameter(conv.bias.detach().clone(), conv.bias.requires_grad)
+        return layer.train(conv.training)
+
+    def _fast_path(self, x: torch.Tensor) -> bool:
+        if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 4:
+            return False
+        if x.dtype != self.weight.dtype or not onednn_runs(x.dtype):
+            return False
+        records_grad = torch.is_grad_enabled() and (
+            x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        )
+        return not records_grad and x.shape[1] == self.in_channels
+
+    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor:
+        # The weight's storage, its version (bumped by every in-place change) and the input's
+        # per-sample shape, for which oneDNN picked the layout.
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(x.shape[1:]))
+        if self._packed_for != key:
+            self._packed = torch.ops.mkldnn._reorder_convolution_weight(
+                w.detach(), list(self.padding), list(self.stride), list(self.dilation), self.groups, list(x.shape)
+            )
+            self._packed_for = key
+        return self._packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fast_path(x):
+            attr, scalars = _POST_OPS[self.activation]
+            return torch.ops.mkldnn._convolution_pointwise(
+                x, self._packed_weight(x), self.bias, list(self.padding), list(self.stride), list(self.dilation),
+                self.groups, attr, scalars, "",
+            )  # fmt: skip
+        y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        act = TORCH_ACTIVATIONS[self.activation]
+        return act(y) if act is not None else y
+
+    def __getstate__(self):
+        # oneDNN's reordered weight is opaque (it cannot be copied or pickled): a copy rebuilds it.
+        state = self.__dict__.copy()
+        state["_packed"], state["_packed_for"] = None, None
+        return state
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
+            f"bias={self.bias is not None}, activation={self.activation!r}"
+        )
+
+
+def explicit_padding(conv: torch.nn.Conv2d) -> tuple[int, int] | None:
+    """The conv's padding as (ph, pw), or None where it pads the two sides differently."""
+    if conv.padding == "valid":
+        return (0, 0)
+    if conv.padding == "same":
+        total = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size)]
+        return None if any(t % 2 for t in total) else (total[0] // 2, total[1] // 2)
+    return tuple(conv.padding)

@@ -1,0 +1,179 @@
+"""opforge.nn.PrepackedConv2d: oneDNN's CPU convolution with a prepacked weight and a fused activation."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import opforge
+from conv_bounds import TORCH_ACT
+from opforge.nn_prepacked import onednn_runs
+
+needs_onednn = pytest.mark.skipif(not onednn_runs(torch.float32), reason="this torch build has no oneDNN")
+ACTIVATIONS = [None, "relu", "relu6", "hardswish", "silu"]
+
+
+def reference(x, conv, activation):
+    """act(conv(x)) in float64."""
+    b = None if conv.bias is None else conv.bias.double()
+    z = F.conv2d(x.double(), conv.weight.double(), b, conv.stride, conv.padding, conv.dilation, conv.groups)
+    return TORCH_ACT[activation](z)
+
+
+def tolerance(dtype, conv):
+    # oneDNN's sums in float32 (bfloat16 inputs: float32 accumulation, one rounding of the output).
+    terms = conv.weight[0].numel()
+    return {torch.float32: 1e-6 * terms, torch.bfloat16: 1.6e-2}[dtype]
+
+
+LAYERS = [
+    dict(in_channels=8, out_channels=16, kernel_size=1),
+    dict(in_channels=8, out_channels=16, kernel_size=3, padding=1),
+    dict(in_channels=8, out_channels=8, kernel_size=3, stride=2, padding=1, groups=8),
+    dict(in_channels=8, out_channels=16, kernel_size=3, padding=1, groups=8),  # channel multiplier 2
+    dict(in_channels=8, out_channels=8, kernel_size=5, padding=2, groups=8),
+    dict(in_channels=8, out_channels=12, kernel_size=3, padding=2, dilation=2, groups=2),
+    dict(in_channels=3, out_channels=16, kernel_size=7, stride=2, padding=3, bias=False),
+    dict(in_channels=8, out_channels=8, kernel_size=(1, 3), stride=(1, 2), padding=(0, 1)),
+]
+
+
+@needs_onednn
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda d: "-".join(f"{k[0]}{v}" for k, v in d.items()))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_conv_and_activation(layer, activation, channels_last, dtype):
+    if not onednn_runs(dtype):
+        pytest.skip(f"oneDNN does not run {dtype} on this CPU")
+    conv = torch.nn.Conv2d(**layer).eval().to(dtype)
+    x = torch.randn(2, layer["in_channels"], 13, 11, dtype=dtype)
+    if channels_last:
+        conv = conv.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation=activation)
+    with torch.no_grad():
+        out = fast(x)
+    assert fast._packed is not None  # the oneDNN path ran, not the fallback
+    ref = reference(x, conv, activation)
+    assert out.dtype == dtype and out.shape == ref.shape
+    scale = ref.abs().max().item() + 1
+    torch.testing.assert_close(out.double(), ref, atol=tolerance(dtype, conv) * scale, rtol=0)
+
+
+@needs_onednn
+def test_weight_changes_rebuild_the_packed_copy():
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1).eval()
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
+    x = torch.randn(1, 4, 9, 9)
+
+    def expected():
+        return F.relu(F.conv2d(x, fast.weight, fast.bias, 1, 1))
+
+    with torch.no_grad():
+        fast(x)
+        fast.weight.mul_(-2.0)  # in place: the version counter moves
+        torch.testing.assert_close(fast(x), expected())
+        other = torch.nn.Conv2d(4, 6, 3, padding=1)
+        fast.load_state_dict(other.state_dict())
+        torch.testing.assert_close(fast(x), expected())
+        fast.weight = torch.nn.Parameter(torch.randn(6, 4, 3, 3))  # a new tensor
+        torch.testing.assert_close(fast(x), expected())
+        # another input size per sample: repacked for it
+        x = torch.randn(3, 4, 17, 5)
+        torch.testing.assert_close(fast(x), expected())
+
+
+@needs_onednn
+def test_copy_pickle_and_state_dict():
+    conv = torch.nn.Conv2d(4, 6, 1).eval()
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="silu")
+    x = torch.randn(2, 4, 5, 5)
+    with torch.no_grad():
+        out = fast(x)
+        assert fast._packed is not None
+        torch.testing.assert_close(copy.deepcopy(fast)(x), out)
+        buf = io.BytesIO()
+        torch.save(fast, buf)
+        buf.seek(0)
+        torch.testing.assert_close(torch.load(buf, weights_only=False)(x), out)
+    assert set(fast.state_dict()) == set(conv.state_dict()) == {"weight", "bias"}
+    plain = torch.nn.Conv2d(4, 6, 1)
+    plain.load_state_dict(fast.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(F.silu(plain(x)), out)
+
+
+def test_training_runs_torchs_conv_and_its_gradients():
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1)
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="hardswish")
+    x = torch.randn(2, 4, 7, 7, requires_grad=True)
+    fast(x).square().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    F.hardswish(conv(x2)).square().sum().backward()
+    assert fast._packed is None  # a recorded graph takes F.conv2d
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(fast.weight.grad, conv.weight.grad)
+    torch.testing.assert_close(fast.bias.grad, conv.bias.grad)
+
+
+def test_float64_and_unbatched_inputs_take_torchs_conv():
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1).double().eval()
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu6")
+    with torch.no_grad():
+        for x in (torch.randn(2, 4, 6, 6, dtype=torch.float64), torch.randn(4, 6, 6, dtype=torch.float64)):
+            torch.testing.assert_close(fast(x), F.relu6(conv(x)))
+    assert fast._packed is None
+
+
+@needs_onednn
+def test_empty_batch():
+    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1, activation="relu").eval()
+    with torch.no_grad():
+        out = fast(torch.randn(0, 4, 6, 6))
+    assert out.shape == (0, 6, 6, 6)
+
+
+def test_compile_traces_torchs_conv():
+    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1, activation="relu").eval()
+    x = torch.randn(1, 4, 8, 8)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fast, backend=capture, fullgraph=True)(x)
+        torch.testing.assert_close(out, F.relu(F.conv2d(x, fast.weight, fast.bias, 1, 1)))
+    traced = " ".join(str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function")
+    assert "conv2d" in traced and "mkldnn" not in traced, traced
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="activation must be None, 'relu'"):
+        opforge.nn.PrepackedConv2d(4, 4, 3, activation="gelu")
+    with pytest.raises(ValueError, match="padding must be an int or a pair"):
+        opforge.nn.PrepackedConv2d(4, 4, 3, padding="same")
+    with pytest.raises(TypeError, match="conv must be a torch.nn.Conv2d"):
+        opforge.nn.PrepackedConv2d.from_conv(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="padding_mode 'reflect'"):
+        opforge.nn.PrepackedConv2d.from_conv(torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"))
+    with pytest.raises(ValueError, match="zero padding of a size both sides share"):
+        opforge.nn.PrepackedConv2d.from_conv(torch.nn.Conv2d(4, 4, 2, padding="same"))
+    # "same" with an odd kernel is an explicit padding
+    layer = opforge.nn.PrepackedConv2d.from_conv(torch.nn.Conv2d(4, 4, 3, padding="same"))
+    assert layer.padding == (1, 1)
+
+
+@pytest.mark.cuda
+def test_cuda_runs_torchs_conv():
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1).cuda().eval()
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
+    x = torch.randn(2, 4, 9, 9, device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), F.relu(conv(x)))
+    assert fast._packed is None
