@@ -6,9 +6,9 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from conv_bounds import TORCH_ACT
 
 import opforge
-from conv_bounds import TORCH_ACT
 from opforge.nn_prepacked import onednn_runs
 
 needs_onednn = pytest.mark.skipif(not onednn_runs(torch.float32), reason="this torch build has no oneDNN")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ops.add import add, add_relu
 from .nn_prepacked import PrepackedConv2d as PrepackedConv2d
+from .ops.add import add, add_relu
 from .ops.conv import TORCH_ACTIVATIONS, conv2d_1x1, conv2d_3x3
 from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
 

@@ -78,8 +78,7 @@ class PrepackedConv2d(torch.nn.Module):
         super().__init__()
         if activation not in _POST_OPS:
             raise ValueError(
-                "PrepackedConv2d: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', "
-                f"got {activation!r}"
+                f"PrepackedConv2d: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', got {activation!r}"
             )
         self.stride, self.padding = _pair(stride, "stride"), _pair(padding, "padding")
         self.dilation = _pair(dilation, "dilation")
