@@ -13,9 +13,12 @@ training step) the providers run side by side in one process:
 - on CUDA also ``compile_ro`` / ``compile_optimize_ro``: ``mode="reduce-overhead"``.
 
 Each provider's output is first compared with the eager float32 model on the
-same input (max relative error, reported); then it is timed: a warm-up,
-then ``repeats`` loops of ``calls`` calls, the device synchronised around
-each loop; the median loop time per call is reported in milliseconds. A
+same input (max relative error, reported); then they are timed together: a
+warm-up each, then ``repeats`` rounds in which every provider runs one loop
+of ``calls`` calls in turn, the device synchronised around each loop; the
+median loop time per call is reported in milliseconds. Taking turns keeps a
+host whose speed drifts during the cell from favouring whichever provider
+ran first. A
 training step is forward, ``loss = out.float().square().mean()``, backward
 and an SGD step (dropout off, so that the outputs compare).
 """
@@ -133,19 +136,23 @@ def _max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / max(ref.float().abs().max().item(), 1e-30)
 
 
-def _time(fn: Callable[[], torch.Tensor], device: str, calls: int, repeats: int) -> float:
+def _time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: str, calls: int, repeats: int):
+    """Median ms per call of each fn. The loops take turns (round r times every provider once),
+    so that a host or clock that drifts during the cell shifts every provider alike."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+    for fn in fns.values():
+        for _ in range(3):
             fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / calls * 1e3)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[str, ...] = ()) -> CellResult:
@@ -157,6 +164,7 @@ def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[st
         torch.manual_seed(seed)
         ref = ref_model(x.float())
     result = CellResult(cell, {})
+    fns, errors = {}, {}
     for provider in providers_for(cell):
         if only and provider not in only:
             continue
@@ -164,10 +172,16 @@ def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[st
             torch.manual_seed(seed)
             fn = _callable(provider, model, x, train)
             torch.manual_seed(seed)
-            err = _max_rel_error(fn(), ref)
-            result.providers[provider] = Timed(_time(fn, cell.device, calls, repeats), err)
+            errors[provider] = _max_rel_error(fn(), ref)
+            fns[provider] = fn
         except Exception as exc:  # a provider that fails is reported, the others still run
             result.providers[provider] = Timed(status=f"failed: {type(exc).__name__}: {str(exc)[:200]}")
+    try:
+        times = _time_interleaved(fns, cell.device, calls, repeats)
+        for provider in providers_for(cell):
+            if provider in fns:
+                result.providers[provider] = Timed(times[provider], errors[provider])
+    finally:
         torch._dynamo.reset()
     return result
 
