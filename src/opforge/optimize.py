@@ -20,6 +20,11 @@ trace):
   swapped, and the report says so. ``force=True`` swaps every such layer
   without timing it: the outputs are the same, the speed is not chosen (for
   checking a model's numerics under opforge's kernels, or measuring them).
+- On the CPU in eval mode every conv with zero padding (any kernel size,
+  dilation, groups) also has ``opforge.nn.PrepackedConv2d`` as a candidate:
+  oneDNN's convolution with its weight reordered once and the activation as
+  its post-op. Of the candidates faster than torch's layers, the fastest is
+  taken.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
   opforge's op only where that op is also faster than what inductor makes of
   torch's conv (the conv, then its bias and activation fused into one pass);
@@ -141,10 +146,10 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     else:
         # Against what the layer would otherwise run: torch's conv (folded or with its BatchNorm), then
         # act. Of the candidates that win, the fastest is taken.
-        timed = [(c, *faster_with_opforge(c, act, x, before=kept)) for c in candidates]
-        several = len(timed) > 1
-        whys = {c.op: (f"{c.label}: {why}" if several else why) for c, _, why, _ in timed}
-        wins = [(us, c) for c, win, _, us in timed if win]
+        results = [(c, *faster_with_opforge(c, act, x, before=kept)) for c in candidates]
+        several = len(results) > 1
+        whys = {c.op: (f"{c.label}: {why}" if several else why) for c, _, why, _ in results}
+        wins = [(us, c) for c, win, _, us in results if win]
         if own is None:
             whys = {"none": no_kernel, **whys}
         if not wins:
