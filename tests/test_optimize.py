@@ -329,3 +329,29 @@ def test_fastest_winning_candidate_is_taken(monkeypatch, prepacked_us, expected)
     assert f"oneDNN conv with a prepacked weight: measured {prepacked_us:.1f} us vs 10.0 us" in report.layers[0].reason
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_nchw_model_hands_its_own_layout_to_the_fused_convs():
+    """The fused convs take any strides (the flexible_layout tag), so inductor may pass the
+    layout it keeps for conv outputs instead of copying back to the eager strides; the
+    results are the eager model's."""
+    for op in (
+        torch.ops.opforge.conv2d_3x3.default,
+        torch.ops.opforge.conv2d_3x3.padding,
+        torch.ops.opforge.conv2d_1x1.default,
+    ):
+        assert torch.Tag.flexible_layout in op.tags, op
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, stride=2, padding=1),
+        torch.nn.ReLU6(),
+        torch.nn.Conv2d(16, 16, 3, padding=1, groups=16),
+        torch.nn.ReLU6(),
+        torch.nn.Conv2d(16, 24, 1),
+    ).eval()
+    x = torch.randn(2, 3, 32, 32)
+    fast = opforge.optimize(model, force=True)
+    assert isinstance(fast[2], opforge.nn.Conv2d3x3) and isinstance(fast[4], opforge.nn.Conv2d1x1)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fast, fullgraph=True)(x)
+        torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)

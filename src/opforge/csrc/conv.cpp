@@ -18,13 +18,17 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // act(conv3x3(x, weight) + bias) with the bias and ReLU fused into the
   // convolution's write; groups is 1 (dense) or C (depthwise). F.conv2d's
   // arguments: stride and padding an int or an equal pair, x batched or not.
+  // flexible_layout: any strides are taken (NCHW and channels_last natively), so torch.compile may
+  // hand over its own layout (inductor keeps CPU conv outputs channels_last) instead of a copy.
   m.def(
       "conv2d_3x3(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, int[2] padding=0, int groups=1, "
-      "str? activation=None) -> Tensor");
+      "str? activation=None) -> Tensor",
+      {at::Tag::flexible_layout});
   // padding "same" (1: stride 1 only, as in F.conv2d) or "valid" (0).
   m.def(
       "conv2d_3x3.padding(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, str padding=\"valid\", "
-      "int groups=1, str? activation=None) -> Tensor");
+      "int groups=1, str? activation=None) -> Tensor",
+      {at::Tag::flexible_layout});
   // Gradients of conv2d_3x3. With an activation fused, `result` is what its
   // derivative reads: the forward's output for relu and relu6, the
   // pre-activation conv3x3(x, w) + bias for hardswish and silu; `activation`

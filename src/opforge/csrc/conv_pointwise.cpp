@@ -15,7 +15,9 @@ TORCH_LIBRARY_FRAGMENT(opforge, m) {
   // act(conv1x1(x, weight) + bias): F.conv2d with a (K, C, 1, 1) weight,
   // groups 1, no padding, then the activation, the bias and the activation
   // applied before the output's single store where the engine fuses them.
-  m.def("conv2d_1x1(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, str? activation=None) -> Tensor");
+  // flexible_layout: as conv2d_3x3 (conv.cpp), any strides are taken.
+  m.def("conv2d_1x1(Tensor x, Tensor weight, Tensor? bias=None, int[2] stride=1, str? activation=None) -> Tensor",
+        {at::Tag::flexible_layout});
 }
 
 namespace {
