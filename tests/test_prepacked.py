@@ -59,6 +59,8 @@ def test_matches_float64_conv_and_activation(layer, activation, channels_last, d
     assert fast._packed is not None  # the oneDNN path ran, not the fallback
     ref = reference(x, conv, activation)
     assert out.dtype == dtype and out.shape == ref.shape
+    with torch.no_grad():
+        assert out.stride() == conv(x).stride()  # F.conv2d's memory format
     scale = ref.abs().max().item() + 1
     torch.testing.assert_close(out.double(), ref, atol=tolerance(dtype, conv) * scale, rtol=0)
 
@@ -84,6 +86,28 @@ def test_weight_changes_rebuild_the_packed_copy():
         # another input size per sample: repacked for it
         x = torch.randn(3, 4, 17, 5)
         torch.testing.assert_close(fast(x), expected())
+
+
+@needs_onednn
+def test_changes_through_data_need_invalidate():
+    conv = torch.nn.Conv2d(4, 6, 1).eval()
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv)
+    x = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        fast(x)
+        fast.weight.data.mul_(-1.0)  # .data has a version counter of its own
+        fast.invalidate()
+        torch.testing.assert_close(fast(x), F.conv2d(x, fast.weight, fast.bias))
+
+
+@needs_onednn
+def test_inference_mode_weights_take_torchs_conv():
+    with torch.inference_mode():
+        conv = torch.nn.Conv2d(4, 6, 3, padding=1).eval()
+        fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
+        x = torch.randn(1, 4, 7, 7)
+        torch.testing.assert_close(fast(x), F.relu(conv(x)))
+    assert fast._packed is None  # no version counter to see changes by: the fallback
 
 
 @needs_onednn
@@ -133,7 +157,7 @@ def test_empty_batch():
     fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1, activation="relu").eval()
     with torch.no_grad():
         out = fast(torch.randn(0, 4, 6, 6))
-    assert out.shape == (0, 6, 6, 6)
+    assert fast._packed is not None and out.shape == (0, 6, 6, 6)
 
 
 def test_compile_traces_torchs_conv():

@@ -53,7 +53,8 @@ class PrepackedConv2d(torch.nn.Module):
     inductor's own freezing does the same) it is ``F.conv2d`` and the
     activation. The parameters are ``weight`` and ``bias``, as in
     ``nn.Conv2d``; the reordered copy is a cache, rebuilt when the weight is
-    changed or moved, and never saved::
+    changed or moved (a change through ``.data`` needs ``invalidate()``), and
+    never saved. The output has ``F.conv2d``'s memory format::
 
         conv = torch.nn.Conv2d(32, 64, 3, padding=1).eval()
         fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
@@ -90,7 +91,7 @@ class PrepackedConv2d(torch.nn.Module):
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, ref.kernel_size
         self.groups, self.activation = groups, activation
         self.weight, self.bias = ref.weight, ref.bias
-        self._packed, self._packed_for = None, None
+        self._packed, self._packed_for, self._packed_storage = None, None, None
 
     @classmethod
     def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None) -> PrepackedConv2d:
@@ -122,27 +123,37 @@ class PrepackedConv2d(torch.nn.Module):
         records_grad = torch.is_grad_enabled() and (
             x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
         )
-        return not records_grad and x.shape[1] == self.in_channels
+        # An inference tensor has no version counter, so in-place changes to it could not be seen.
+        return not records_grad and x.shape[1] == self.in_channels and not self.weight.is_inference()
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor:
-        # The weight's storage, its version (bumped by every in-place change) and the input's
-        # per-sample shape, for which oneDNN picked the layout.
+        # The weight's storage (held, so that its address cannot be reused while cached), its
+        # version (bumped by every in-place change), layout, and the input's per-sample shape, for
+        # which oneDNN picked the blocked layout.
         w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), tuple(x.shape[1:]))
+        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), w.stride(), tuple(x.shape[1:]))
         if self._packed_for != key:
             self._packed = torch.ops.mkldnn._reorder_convolution_weight(
                 w.detach(), list(self.padding), list(self.stride), list(self.dilation), self.groups, list(x.shape)
             )
-            self._packed_for = key
+            self._packed_for, self._packed_storage = key, w.untyped_storage()
         return self._packed
+
+    def invalidate(self) -> None:
+        """Drop the reordered weight. Needed only after changing the weight through ``.data``,
+        which bypasses the version counter; every other change is seen."""
+        self._packed, self._packed_for, self._packed_storage = None, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast_path(x):
             attr, scalars = _POST_OPS[self.activation]
-            return torch.ops.mkldnn._convolution_pointwise(
+            y = torch.ops.mkldnn._convolution_pointwise(
                 x, self._packed_weight(x), self.bias, list(self.padding), list(self.stride), list(self.dilation),
                 self.groups, attr, scalars, "",
             )  # fmt: skip
+            # F.conv2d's output format: channels_last when the input or the weight is.
+            cl = _is_channels_last(x) or _is_channels_last(self.weight)
+            return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
         y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
@@ -150,7 +161,7 @@ class PrepackedConv2d(torch.nn.Module):
     def __getstate__(self):
         # oneDNN's reordered weight is opaque (it cannot be copied or pickled): a copy rebuilds it.
         state = self.__dict__.copy()
-        state["_packed"], state["_packed_for"] = None, None
+        state["_packed"], state["_packed_for"], state["_packed_storage"] = None, None, None
         return state
 
     def extra_repr(self) -> str:
@@ -159,6 +170,11 @@ class PrepackedConv2d(torch.nn.Module):
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
             f"bias={self.bias is not None}, activation={self.activation!r}"
         )
+
+
+def _is_channels_last(t: torch.Tensor) -> bool:
+    """t's suggested memory format is channels_last (as ATen's suggest_memory_format decides)."""
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
 def explicit_padding(conv: torch.nn.Conv2d) -> tuple[int, int] | None:

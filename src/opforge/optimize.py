@@ -147,8 +147,9 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         # Against what the layer would otherwise run: torch's conv (folded or with its BatchNorm), then
         # act. Of the candidates that win, the fastest is taken.
         results = [(c, *faster_with_opforge(c, act, x, before=kept)) for c in candidates]
-        several = len(results) > 1
-        whys = {c.op: (f"{c.label}: {why}" if several else why) for c, _, why, _ in results}
+        # Each timing is labelled with its candidate unless opforge's own kernel is the only one.
+        labelled = len(results) > 1 or own is None
+        whys = {c.op: (f"{c.label}: {why}" if labelled else why) for c, _, why, _ in results}
         wins = [(us, c) for c, win, _, us in results if win]
         if own is None:
             whys = {"none": no_kernel, **whys}

@@ -176,13 +176,14 @@ _INPLACE_ACTIVATIONS = {
 }
 
 
-def _compiled_time_us(fn, device: torch.device) -> float:
+def _compiled_times_us(theirs, ours, device: torch.device) -> tuple[float, float, str]:
+    """Both sides on one clock: the GPU's where both capture into a CUDA graph, else the host's."""
     if device.type == "cuda":
         try:
-            return _gpu_us(fn)
-        except RuntimeError:  # not capturable: the host's clock instead
+            return _gpu_us(theirs), _gpu_us(ours), "GPU time"
+        except RuntimeError:  # not capturable
             pass
-    return _median_us(fn, device)
+    return _median_us(theirs, device), _median_us(ours, device), "measured"
 
 
 def faster_under_compile(candidate: ConvCandidate, act: torch.nn.Module | None, x: torch.Tensor):
@@ -191,7 +192,8 @@ def faster_under_compile(candidate: ConvCandidate, act: torch.nn.Module | None, 
     torch.compile runs the conv without its bias and fuses bias and activation
     into one pointwise pass, so torch's side is timed as the conv alone plus,
     where there is an activation, one in-place pass; on CUDA both sides are
-    timed on the GPU's clock (a replayed CUDA graph). Inference only."""
+    timed on the GPU's clock (a replayed CUDA graph), on the CPU on the
+    host's. Inference only."""
     key = ("compiled",) + _key(candidate, act, x)
     if key in _cache:
         return _cache[key]
@@ -208,9 +210,7 @@ def faster_under_compile(candidate: ConvCandidate, act: torch.nn.Module | None, 
         return act(y) if act is not None and candidate.activation is None else y
 
     with torch.no_grad():
-        theirs_us = _compiled_time_us(theirs, x.device)
-        ours_us = _compiled_time_us(mine, x.device)
-    clock = "GPU time" if x.device.type == "cuda" else "measured"
+        theirs_us, ours_us, clock = _compiled_times_us(theirs, mine, x.device)
     result = (
         ours_us * _MARGIN <= theirs_us,
         f"{clock} {ours_us:.1f} us vs {theirs_us:.1f} us for the conv and the one pass torch.compile runs",

@@ -101,12 +101,9 @@ def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: boo
     if provider.startswith("compile"):
         mode = "reduce-overhead" if provider.endswith("_ro") else None
         if provider == "compile_freezing":
-            import torch._inductor.config as inductor_config
-
-            with inductor_config.patch(freezing=True):
-                compiled = torch.compile(m, mode=mode)
-                with torch.no_grad():
-                    compiled(x)  # freezing happens at the first call, under the patch
+            # Freezing as the backend's own option: a backend equal to plain compile's (the global
+            # config patched around the first call) would reuse plain compile's graph for this copy.
+            compiled = torch.compile(m, options={"freezing": True})
         else:
             compiled = torch.compile(m, mode=mode)
         forward = compiled
@@ -137,22 +134,33 @@ def _max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: str, calls: int, repeats: int):
-    """Median ms per call of each fn. The loops take turns (round r times every provider once),
-    so that a host or clock that drifts during the cell shifts every provider alike."""
+    """Median ms per call of each fn, or its failure as text. The loops take turns (round r times
+    every provider once), so that a host or clock that drifts during the cell shifts every provider
+    alike."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    failed: dict[str, str] = {}
+    for name, fn in fns.items():
+        try:
+            for _ in range(3):
+                fn()
+        except Exception as exc:
+            failed[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
     for _ in range(repeats):
         for name, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            sync()
+            if name in failed:
+                continue
+            try:
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                sync()
+            except Exception as exc:  # that provider is reported failed; the others go on
+                failed[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                continue
             samples[name].append((time.perf_counter() - t0) / calls * 1e3)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return {name: failed.get(name) or statistics.median(v) for name, v in samples.items()}
 
 
 def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[str, ...] = ()) -> CellResult:
@@ -180,7 +188,8 @@ def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[st
         times = _time_interleaved(fns, cell.device, calls, repeats)
         for provider in providers_for(cell):
             if provider in fns:
-                result.providers[provider] = Timed(times[provider], errors[provider])
+                t = times[provider]
+                result.providers[provider] = Timed(status=t) if isinstance(t, str) else Timed(t, errors[provider])
     finally:
         torch._dynamo.reset()
     return result
