@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from .nn_prepacked import PrepackedConv2d as PrepackedConv2d
+from .nn_prepacked import with_params_of as _with_params_of
 from .ops.add import add, add_relu
 from .ops.conv import TORCH_ACTIVATIONS, conv2d_1x1, conv2d_3x3
 from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
@@ -185,15 +186,6 @@ def _torch_conv(layer: torch.nn.Module, x: torch.Tensor, padding, groups: int) -
     y = F.conv2d(x, layer.weight, layer.bias, layer.stride, padding, 1, groups)
     act = TORCH_ACTIVATIONS[layer.activation]
     return act(y) if act is not None else y
-
-
-def _with_params_of(layer: torch.nn.Module, conv: torch.nn.Conv2d) -> torch.nn.Module:
-    """``layer`` holding copies of ``conv``'s weight and bias (same values, dtype, device,
-    memory format and requires_grad; clone() keeps the strides) and in its mode."""
-    layer.weight = torch.nn.Parameter(conv.weight.detach().clone(), conv.weight.requires_grad)
-    if conv.bias is not None:
-        layer.bias = torch.nn.Parameter(conv.bias.detach().clone(), conv.bias.requires_grad)
-    return layer.train(conv.training)
 
 
 class Conv2d1x1(torch.nn.Module):

@@ -110,10 +110,7 @@ class PrepackedConv2d(torch.nn.Module):
             tuple(conv.dilation), conv.groups, conv.bias is not None, activation,
             device="meta", dtype=conv.weight.dtype,
         )  # fmt: skip
-        layer.weight = torch.nn.Parameter(conv.weight.detach().clone(), conv.weight.requires_grad)
-        if conv.bias is not None:
-            layer.bias = torch.nn.Parameter(conv.bias.detach().clone(), conv.bias.requires_grad)
-        return layer.train(conv.training)
+        return with_params_of(layer, conv)
 
     def _fast_path(self, x: torch.Tensor) -> bool:
         if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 4:
@@ -170,6 +167,16 @@ class PrepackedConv2d(torch.nn.Module):
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
             f"bias={self.bias is not None}, activation={self.activation!r}"
         )
+
+
+def with_params_of(layer: torch.nn.Module, conv: torch.nn.Conv2d) -> torch.nn.Module:
+    """``layer`` holding copies of ``conv``'s weight and bias (same values, dtype, device,
+    memory format and requires_grad; clone() keeps the strides) and in its mode. Shared by
+    every ``from_conv`` of opforge.nn."""
+    layer.weight = torch.nn.Parameter(conv.weight.detach().clone(), conv.weight.requires_grad)
+    if conv.bias is not None:
+        layer.bias = torch.nn.Parameter(conv.bias.detach().clone(), conv.bias.requires_grad)
+    return layer.train(conv.training)
 
 
 def _is_channels_last(t: torch.Tensor) -> bool:

@@ -85,8 +85,6 @@ class PrepackedCandidate:
 
     conv: torch.nn.Conv2d
     activation: str | None
-    stride: tuple[int, int]
-    padding: tuple[int, int]
     op = "prepacked"
     label = "oneDNN conv with a prepacked weight"
 
@@ -94,10 +92,9 @@ class PrepackedCandidate:
     def of(cls, conv: torch.nn.Conv2d, activation: str | None, x: torch.Tensor | None) -> PrepackedCandidate | None:
         if x is None or x.device.type != "cpu" or x.dim() != 4 or conv.training or not onednn_runs(x.dtype):
             return None
-        padding = explicit_padding(conv)
-        if padding is None or conv.padding_mode != "zeros" or x.dtype != conv.weight.dtype:
+        if explicit_padding(conv) is None or conv.padding_mode != "zeros" or x.dtype != conv.weight.dtype:
             return None
-        return cls(conv, activation, tuple(conv.stride), padding)
+        return cls(conv, activation)
 
     def module(self) -> torch.nn.Module:
         return PrepackedConv2d.from_conv(self.conv, activation=self.activation)
