@@ -39,13 +39,15 @@ by layer, what was replaced and why the rest was left.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import torch
 
+from .optimize_blocks import rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
-from .optimize_patterns import Chain, find_chains
+from .optimize_patterns import Chain, describe_conv, find_chains
+from .optimize_report import LayerReport, OptimizeReport
+from .optimize_residual import apply_tail
 
 # The activation modules conv2d_3x3 fuses, by its name for them.
 _FUSABLE_ACTIVATIONS = {
@@ -54,25 +56,6 @@ _FUSABLE_ACTIVATIONS = {
     torch.nn.Hardswish: "hardswish",
     torch.nn.SiLU: "silu",
 }
-
-
-@dataclasses.dataclass
-class LayerReport:
-    conv: str  # the conv's qualified name in the model
-    pattern: str  # e.g. "Conv2d(3x3, depthwise) -> BatchNorm2d -> ReLU6"
-    action: str  # what optimize did
-    reason: str = ""  # why (measured times, or what stopped it)
-
-
-@dataclasses.dataclass
-class OptimizeReport:
-    layers: list[LayerReport]
-
-    def __str__(self) -> str:
-        lines = [f"{'layer':<28} {'pattern':<46} action"]
-        for r in self.layers:
-            lines.append(f"{r.conv:<28} {r.pattern:<46} {r.action}" + (f" ({r.reason})" if r.reason else ""))
-        return "\n".join(lines)
 
 
 def optimize(
@@ -95,17 +78,24 @@ def optimize(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opforge.optimize: model must be a torch.nn.Module, got {type(model).__name__}")
     out = model if inplace else copy.deepcopy(model)
+    tails = rewrite_blocks(out)
     chains = find_chains(out)
-    inputs = _conv_inputs(out, chains, example_inputs) if example_inputs is not None and not force else {}
-    layers = [_apply(out, chain, inputs.get(chain.conv), example_inputs is not None, force) for chain in chains]
-    return (out, OptimizeReport(layers)) if report else out
+    names = [chain.conv for chain in chains] + [tail.name for tail in tails]
+    inputs = _layer_inputs(out, names, example_inputs) if example_inputs is not None and not force else {}
+    measured = example_inputs is not None
+    layers = {c.conv: _apply(out, c, inputs.get(c.conv, (None,))[0], measured, force) for c in chains}
+    layers.update({t.name: apply_tail(out, t, inputs.get(t.name), measured, force) for t in tails})
+    # The report lists the layers in the model's order.
+    order = {name: i for i, (name, _) in enumerate(out.named_modules())}
+    ordered = [layers[name] for name in sorted(layers, key=lambda n: order.get(n, len(order)))]
+    return (out, OptimizeReport(ordered)) if report else out
 
 
 def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measured: bool, force: bool) -> LayerReport:
     conv = model.get_submodule(chain.conv)
     bn = model.get_submodule(chain.bn) if chain.bn else None
     act = model.get_submodule(chain.act) if chain.act else None
-    pattern = " -> ".join([_describe_conv(conv)] + [type(m).__name__ for m in (bn, act) if m is not None])
+    pattern = " -> ".join([describe_conv(conv)] + [type(m).__name__ for m in (bn, act) if m is not None])
     timed = measured and x is not None and not force
     # What the layer runs as when opforge's kernel is not taken: torch's modules, the BatchNorm
     # folded into the conv where that is not slower.
@@ -176,25 +166,19 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
 
 
-def _describe_conv(conv: torch.nn.Conv2d) -> str:
-    k = "x".join(str(v) for v in conv.kernel_size)
-    kind = "depthwise" if conv.groups == conv.in_channels and conv.groups > 1 else f"groups {conv.groups}"
-    return f"Conv2d({k}, {'dense' if conv.groups == 1 else kind}, s{conv.stride[0]})"
-
-
-def _conv_inputs(model: torch.nn.Module, chains: list[Chain], example_inputs: tuple) -> dict[str, torch.Tensor]:
-    """Each chain's conv input when the model runs ``example_inputs`` (the first call's).
+def _layer_inputs(model: torch.nn.Module, names: list[str], example_inputs: tuple) -> dict[str, tuple]:
+    """Each named layer's positional inputs when the model runs ``example_inputs`` (the first call's).
 
     The run is in eval mode, so that it changes no BatchNorm statistics; the
     modules' own modes are restored after it."""
-    seen: dict[str, torch.Tensor] = {}
+    seen: dict[str, tuple] = {}
     hooks = []
-    for chain in chains:
+    for name in names:
 
-        def hook(module, args, name=chain.conv):
-            seen.setdefault(name, args[0].detach())
+        def hook(module, args, name=name):
+            seen.setdefault(name, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
 
-        hooks.append(model.get_submodule(chain.conv).register_forward_pre_hook(hook))
+        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
     modes = [(m, m.training) for m in model.modules()]
     try:
         with torch.no_grad():

@@ -27,9 +27,16 @@ class Chain:
     act: str | None = None
 
 
+class _Tracer(torch.fx.Tracer):
+    """fx's tracer, with opforge's own layers as leaves (their forward branches on the input)."""
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return type(m).__module__.startswith("opforge.") or super().is_leaf_module(m, qualname)
+
+
 def find_chains(model: torch.nn.Module) -> list[Chain]:
     try:
-        graph = torch.fx.symbolic_trace(model).graph
+        graph = _Tracer().trace(model)
     except Exception:  # control flow fx cannot trace: fall back to the Sequential containers
         return _sequential_chains(model)
     return _traced_chains(model, graph)
@@ -78,3 +85,10 @@ def _sequential_chains(model: torch.nn.Module) -> list[Chain]:
                 act = names[j][0]
             chains.append(Chain(name, bn, act))
     return chains
+
+
+def describe_conv(conv: torch.nn.Conv2d) -> str:
+    """The conv as the report names it: kernel, kind and stride."""
+    k = "x".join(str(v) for v in conv.kernel_size)
+    kind = "depthwise" if conv.groups == conv.in_channels and conv.groups > 1 else f"groups {conv.groups}"
+    return f"Conv2d({k}, {'dense' if conv.groups == 1 else kind}, s{conv.stride[0]})"

@@ -1,0 +1,120 @@
+"""``ConvResidual``: a residual block's tail, ``activation(conv2d(x) + residual)``, as one layer.
+
+A ResNet block ends with ``relu(bn(conv(x)) + shortcut)``: in eager PyTorch
+three or four passes over the block's output. With the BatchNorm folded into
+the conv, this layer runs the rest on one of four engines, picked by
+``opforge.optimize`` from timings on the layer's own input:
+
+- ``"torch"``: ``F.conv2d``, then the add and the activation (two passes);
+- ``"add_relu"``: ``F.conv2d``, then ``opforge.add_relu`` (one pass; ReLU only);
+- ``"cudnn"``: cuDNN's fused convolution + add + ReLU, one call (CUDA, ReLU only);
+- ``"onednn"``: oneDNN's convolution with the add and the ReLU (if any) as
+  its post-ops and the weight reordered once (CPU inference).
+
+Where an engine cannot run the call (training, another device or dtype, a
+residual of another shape, or while ``torch.compile`` or ``torch.export``
+traces the layer, where inductor fuses the add and activation itself) the
+layer computes the same thing with torch's ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .nn_prepacked import PrepackedConv2d, _is_channels_last
+from .ops.add import add_relu
+from .ops.conv import TORCH_ACTIVATIONS
+
+ENGINES = ("torch", "add_relu", "cudnn", "onednn")
+# cuDNN's fused convolution + add + ReLU takes these dtypes.
+_CUDNN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# oneDNN applies no other activation after an add post-op.
+ONEDNN_ACTIVATIONS = ("relu", None)
+
+
+class ConvResidual(PrepackedConv2d):
+    """``forward(x, residual) = activation(conv2d(x, weight, bias, ...) + residual)``.
+
+    The parameters are ``weight`` and ``bias``, as in ``nn.Conv2d``;
+    ``activation`` is None, ``"relu"``, ``"relu6"``, ``"hardswish"`` or
+    ``"silu"``; ``engine`` is one of ``ENGINES`` (see the module's docs).
+    ``opforge.optimize`` builds it from a ``Conv2d -> BatchNorm2d -> add ->
+    activation`` tail with the BatchNorm folded::
+
+        conv = torch.nn.Conv2d(64, 64, 3, padding=1).eval()
+        tail = opforge.nn.ConvResidual.from_conv(conv, activation="relu", engine="add_relu")
+        y = tail(x, shortcut)   # == F.relu(conv(x) + shortcut)
+    """
+
+    def __init__(self, *args, engine: str = "torch", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine = engine
+
+    @property
+    def engine(self) -> str:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: str) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"ConvResidual: engine must be one of {ENGINES}, got {engine!r}")
+        if engine in ("add_relu", "cudnn") and self.activation != "relu":
+            raise ValueError(f"ConvResidual: engine {engine!r} fuses ReLU only, got activation {self.activation!r}")
+        if engine == "onednn" and self.activation not in ONEDNN_ACTIVATIONS:
+            raise ValueError(f"ConvResidual: engine 'onednn' fuses ReLU or none, got activation {self.activation!r}")
+        self._engine = engine
+
+    @classmethod
+    def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None, engine: str = "torch") -> ConvResidual:
+        """``activation(conv(x) + residual)``, with copies of ``conv``'s parameters, in its mode."""
+        layer = super().from_conv(conv, activation)
+        layer.engine = engine
+        return layer
+
+    def _torch(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups) + residual
+        act = TORCH_ACTIVATIONS[self.activation]
+        return act(y) if act is not None else y
+
+    def _fused_call_fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """The fused engines take a residual of the conv output's shape, dtype and device, no graph."""
+        if torch.compiler.is_compiling() or x.dim() != 4 or residual.dim() != 4:
+            return False
+        if residual.dtype != x.dtype or residual.device != x.device or x.dtype != self.weight.dtype:
+            return False
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, residual, self.weight, self.bias)
+        ):
+            return False
+        return tuple(residual.shape) == self._output_shape(x)
+
+    def _output_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        sizes = []
+        for i in range(2):
+            extent = self.dilation[i] * (self.kernel_size[i] - 1) + 1
+            sizes.append((x.shape[2 + i] + 2 * self.padding[i] - extent) // self.stride[i] + 1)
+        return (x.shape[0], self.out_channels, *sizes)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        engine = self._engine
+        if engine == "onednn" and self._fast_path(x) and self._fused_call_fits(x, residual):
+            y = torch.ops.mkldnn._convolution_pointwise.binary(
+                x, residual, self._packed_weight(x), self.bias, list(self.padding), list(self.stride),
+                list(self.dilation), self.groups, "add", None, self.activation, [], "",
+            )  # fmt: skip
+            cl = _is_channels_last(x) or _is_channels_last(self.weight)
+            return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+        if engine == "cudnn" and x.is_cuda and x.dtype in _CUDNN_DTYPES and self._fused_call_fits(x, residual):
+            return torch.cudnn_convolution_add_relu(
+                x, self.weight, residual, 1.0, self.bias, self.stride, self.padding, self.dilation, self.groups
+            )
+        if engine == "add_relu" and not torch.compiler.is_compiling():
+            y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+            if y.shape == residual.shape and y.dtype == residual.dtype:
+                return add_relu(y, residual)
+            return F.relu(y + residual)
+        return self._torch(x, residual)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", engine={self._engine!r}"

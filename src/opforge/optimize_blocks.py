@@ -1,0 +1,219 @@
+"""Block-level rewrites for ``opforge.optimize``: what module-level replacement cannot reach.
+
+A block whose ``forward`` adds a shortcut (``relu(bn(conv(x)) + identity)``)
+or calls one activation module from several places (torchvision ResNet's
+``self.relu``) hides its patterns in code. Each eval-mode submodule that
+``torch.fx`` traces is rewritten as a ``torch.fx.GraphModule`` in which:
+
+- every call of a shared activation module that reads a conv or BatchNorm
+  output gets its own copy of the module, so that the chain
+  ``conv -> BatchNorm -> activation`` can fuse like any other;
+- every tail ``Conv2d [-> BatchNorm2d] -> add(shortcut) -> activation`` is
+  one :class:`opforge.nn.ConvResidual` call, the BatchNorm folded, that
+  takes the conv's input and the shortcut.
+
+The parameters keep their names (``conv2.weight``); a folded BatchNorm's
+entries leave the state dict, as with every folded BatchNorm. The model
+itself (the root) keeps its type and code: only its submodules are rewritten.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+
+import torch
+
+from .nn_prepacked import explicit_padding
+from .nn_residual import ConvResidual
+from .optimize_fold import folded_conv
+from .optimize_patterns import ACTIVATIONS, describe_conv
+
+# The activations a residual tail may end with, by opforge's name for them.
+_ACTIVATION_NAMES = {torch.nn.ReLU: "relu", torch.nn.ReLU6: "relu6", torch.nn.Hardswish: "hardswish"}
+_ACTIVATION_NAMES[torch.nn.SiLU] = "silu"
+_RELU_FUNCTIONS = (torch.relu, torch.nn.functional.relu)
+_ADDS = (operator.add, operator.iadd, torch.add)
+
+
+@dataclasses.dataclass
+class ResidualTail:
+    """One rewritten tail: the ConvResidual's qualified name and what it replaced (kept for timing)."""
+
+    name: str
+    conv: torch.nn.Conv2d
+    bn: torch.nn.BatchNorm2d | None
+    act: torch.nn.Module
+    pattern: str
+
+
+def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
+    """Rewrite ``model``'s eval-mode blocks in place (see the module's docs); the tails made."""
+    tails: list[ResidualTail] = []
+    done: list[str] = []
+    for name, block in list(model.named_modules()):
+        if not name or block.training or any(name.startswith(d + ".") for d in done):
+            continue
+        if isinstance(block, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        if type(block).__module__.startswith("torch.nn") or not any(True for _ in block.children()):
+            continue  # torch's own layers, and leaves, have no block pattern
+        try:
+            graph = torch.fx.symbolic_trace(block).graph
+        except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
+            continue
+        modules = dict(block.named_modules())
+        block_tails = _fuse_residual_tails(graph, modules)
+        unshared = _unshare_activations(graph, modules)
+        if not block_tails and not unshared:
+            continue
+        used = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}
+        rewritten = torch.fx.GraphModule(_referenced(block, modules, used), graph, class_name=type(block).__name__)
+        rewritten.train(False)
+        _set(model, name, rewritten)
+        tails += [dataclasses.replace(t, name=f"{name}.{t.name}") for t in block_tails]
+        done.append(name)
+    return tails
+
+
+def _referenced(block: torch.nn.Module, modules: dict, used: set) -> dict:
+    """What the rewritten graph reads: submodules by name, and parameters or buffers of the block."""
+    out = {}
+    for target in used:
+        if target in modules:
+            out[target] = modules[target]
+        else:
+            out[target] = block.get_parameter(target) if _is_parameter(block, target) else block.get_buffer(target)
+    return out
+
+
+def _is_parameter(block: torch.nn.Module, target: str) -> bool:
+    try:
+        block.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _module_of(node, modules: dict, kinds):
+    if node is None or node.op != "call_module":
+        return None
+    m = modules.get(node.target)
+    return m if isinstance(m, kinds) else None
+
+
+def _only_reader(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _call_count(graph: torch.fx.Graph, target: str) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_module" and n.target == target)
+
+
+def _fuse_residual_tails(graph: torch.fx.Graph, modules: dict) -> list[ResidualTail]:
+    tails = []
+    for act_node in list(graph.nodes):
+        act = _activation_of(act_node, modules)
+        if act is None or not act_node.args:
+            continue
+        add = act_node.args[0]
+        if not _is_plain_add(add) or _only_reader(add) is not act_node:
+            continue
+        for i in (0, 1):
+            branch, shortcut = add.args[i], add.args[1 - i]
+            found = _conv_chain(graph, branch, modules)
+            if found is None or found[0] in _ancestors_of(shortcut):
+                continue
+            conv_node, bn_node = found
+            tails.append(_replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortcut))
+            break
+    return tails
+
+
+def _activation_of(node, modules: dict) -> torch.nn.Module | None:
+    """The activation ``node`` applies, as a module: a module call, or ``F.relu`` / ``torch.relu``."""
+    m = _module_of(node, modules, tuple(_ACTIVATION_NAMES))
+    if m is not None:
+        return m
+    if node.op == "call_function" and node.target in _RELU_FUNCTIONS and len(node.args) == 1:
+        return torch.nn.ReLU()
+    return None
+
+
+def _is_plain_add(node) -> bool:
+    """``a + b`` of two graph values (no alpha, no out)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _ADDS:
+        return False
+    return len(node.args) == 2 and not node.kwargs and all(isinstance(a, torch.fx.Node) for a in node.args)
+
+
+def _conv_chain(graph: torch.fx.Graph, node, modules: dict):
+    """(conv node, BatchNorm node or None) where ``node`` is ``[bn](conv(x))``, each read once, eval mode."""
+    bn_node = None
+    if _module_of(node, modules, torch.nn.BatchNorm2d) is not None:
+        bn_node, node = node, node.args[0]
+        if _only_reader(node) is not bn_node or _call_count(graph, bn_node.target) != 1:
+            return None
+    conv = _module_of(node, modules, torch.nn.Conv2d)
+    if conv is None or _call_count(graph, node.target) != 1 or len(node.args) != 1:
+        return None
+    if conv.training or conv.padding_mode != "zeros" or explicit_padding(conv) is None:
+        return None
+    if bn_node is not None and (modules[bn_node.target].training or not modules[bn_node.target].track_running_stats):
+        return None
+    if bn_node is None and len(node.users) != 1:
+        return None
+    return node, bn_node
+
+
+def _ancestors_of(node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, torch.fx.Node) and n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def _replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortcut) -> ResidualTail:
+    conv = modules[conv_node.target]
+    bn = modules[bn_node.target] if bn_node is not None else None
+    target = folded_conv(conv, bn) if bn is not None else conv
+    layer = ConvResidual.from_conv(target, activation=_ACTIVATION_NAMES[type(act)])
+    modules[conv_node.target] = layer  # the tail takes the conv's name, so its parameters keep theirs
+    with graph.inserting_before(add):
+        fused = graph.call_module(conv_node.target, (conv_node.args[0], shortcut))
+    act_node.replace_all_uses_with(fused)
+    for node in (act_node, add, bn_node, conv_node):
+        if node is not None:
+            graph.erase_node(node)
+    names = [describe_conv(conv)] + (["BatchNorm2d"] if bn is not None else []) + ["add", type(act).__name__]
+    return ResidualTail(conv_node.target, conv, bn, act, " -> ".join(names))
+
+
+def _unshare_activations(graph: torch.fx.Graph, modules: dict) -> int:
+    """Give each call of a shared activation module that reads a conv or BatchNorm its own copy."""
+    count = 0
+    for node in list(graph.nodes):
+        act = _module_of(node, modules, ACTIVATIONS)
+        if act is None or _call_count(graph, node.target) < 2 or not node.args:
+            continue
+        source = node.args[0]
+        if _module_of(source, modules, (torch.nn.Conv2d, torch.nn.BatchNorm2d)) is None:
+            continue
+        base, k = node.target.replace(".", "_"), 1
+        while f"{base}_{k}" in modules:
+            k += 1
+        name = f"{base}_{k}"
+        modules[name] = copy.deepcopy(act)
+        node.target = name
+        count += 1
+    return count
+
+
+def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)

@@ -1,0 +1,285 @@
+"""Residual tails and shared activations: optimize's block-level rewrites and opforge.nn.ConvResidual."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conv_bounds import TORCH_ACT
+
+import opforge
+from opforge.nn_prepacked import onednn_runs
+from opforge.optimize_residual import engines_for
+
+torchvision = pytest.importorskip("torchvision")
+ACTIVATIONS = ["relu", "relu6", "hardswish", "silu", None]
+
+
+def randomize_batchnorm(model):
+    # A fresh model's mean 0 / variance 1 statistics would hide folding bugs.
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model
+
+
+def reference(conv, x, r, activation):
+    """act(conv(x) + r) in float64."""
+    b = None if conv.bias is None else conv.bias.double()
+    z = F.conv2d(x.double(), conv.weight.double(), b, conv.stride, conv.padding, conv.dilation, conv.groups)
+    return TORCH_ACT[activation](z + r.double())
+
+
+def tolerance(dtype, conv):
+    # Sums of conv.weight[0].numel() products in float32; half types round the output once (and
+    # oneDNN's bfloat16 path the sum before the add).
+    terms = conv.weight[0].numel()
+    return {torch.float64: 1e-12, torch.float32: 1e-6 * terms, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+
+
+def make(dtype, channels_last, device="cpu", stride=1, groups=1, activation="relu", engine="torch"):
+    conv = torch.nn.Conv2d(8, 8, 3, stride=stride, padding=1, groups=groups).eval().to(device, dtype)
+    x = torch.randn(2, 8, 13, 11, dtype=dtype, device=device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    conv = conv.to(memory_format=fmt)
+    x = x.contiguous(memory_format=fmt)
+    with torch.no_grad():
+        shape = conv(x).shape
+    r = torch.randn(shape, dtype=dtype, device=device).contiguous(memory_format=fmt)
+    layer = opforge.nn.ConvResidual.from_conv(conv, activation=activation, engine=engine)
+    return conv, layer, x, r
+
+
+def check_engine(engine, dtype, channels_last, device, activation="relu", stride=1, groups=1):
+    conv, layer, x, r = make(dtype, channels_last, device, stride, groups, activation, engine)
+    with torch.no_grad():
+        out = layer(x, r)
+        torch_out = conv(x)
+    ref = reference(conv, x, r, activation)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    assert out.stride() == torch_out.stride()
+    scale = ref.abs().max().item() + 1
+    torch.testing.assert_close(out.double(), ref, atol=tolerance(dtype, conv) * scale, rtol=0)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_torch_engine_matches_float64(activation, channels_last, dtype):
+    check_engine("torch", dtype, channels_last, "cpu", activation)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("stride, groups", [(1, 1), (2, 1), (1, 8)])
+def test_add_relu_engine_matches_float64(channels_last, dtype, stride, groups):
+    check_engine("add_relu", dtype, channels_last, "cpu", "relu", stride, groups)
+
+
+@pytest.mark.parametrize("activation", ["relu", None])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_engine_matches_float64(activation, channels_last, dtype):
+    if not onednn_runs(dtype):
+        pytest.skip(f"oneDNN does not run {dtype} on this CPU")
+    conv, layer, x, r = make(dtype, channels_last, activation=activation, engine="onednn")
+    with torch.no_grad():
+        layer(x, r)
+    assert layer._packed is not None  # the oneDNN path ran, not the fallback
+    check_engine("onednn", dtype, channels_last, "cpu", activation)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["torch", "add_relu", "cudnn"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("stride, groups", [(1, 1), (2, 1), (1, 8)])
+def test_cuda_engines_match_float64(engine, channels_last, dtype, stride, groups):
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        check_engine(engine, dtype, channels_last, "cuda", "relu", stride, groups)
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+
+
+@pytest.mark.parametrize("engine", ["torch", "add_relu", "onednn"])
+def test_training_and_broadcast_residuals_fall_back_to_torch(engine):
+    if engine == "onednn" and not onednn_runs(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    conv, layer, x, r = make(torch.float64 if engine != "onednn" else torch.float32, False, engine=engine)
+    # A residual that broadcasts (one per channel) is added as torch adds it.
+    r1 = r[:1, :, :1, :1].clone()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, r1), F.relu(conv(x) + r1))
+    # With gradients recorded, the fused engines' graphs are torch's: the same gradients.
+    x = x.detach().requires_grad_()
+    layer(x, r).sum().backward()
+    got = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad = None
+    F.relu(F.conv2d(x, layer.weight, layer.bias, 1, 1) + r).sum().backward()
+    torch.testing.assert_close(got[0], x.grad)
+
+
+def test_bad_engines_name_the_argument():
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        opforge.nn.ConvResidual.from_conv(conv, activation="relu", engine="tensorrt")
+    with pytest.raises(ValueError, match="fuses ReLU only"):
+        opforge.nn.ConvResidual.from_conv(conv, activation="silu", engine="add_relu")
+    with pytest.raises(ValueError, match="fuses ReLU or none"):
+        opforge.nn.ConvResidual.from_conv(conv, activation="hardswish", engine="onednn")
+
+
+def test_engines_offered_per_device_and_activation():
+    conv, layer, x, r = make(torch.float32, False)
+    offered = engines_for(layer, x)
+    assert "add_relu" in offered and "cudnn" not in offered
+    assert ("onednn" in offered) == onednn_runs(torch.float32)
+    _, silu_layer, _, _ = make(torch.float32, False, activation="silu")
+    assert not engines_for(silu_layer, x)  # neither fused engine applies a SiLU after the add
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_resnet_blocks_are_rewritten_and_keep_outputs(name):
+    model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=10)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert type(fast) is type(model)
+    tails = [m for m in fast.modules() if isinstance(m, opforge.nn.ConvResidual)]
+    assert len(tails) == sum(len(layer) for layer in (model.layer1, model.layer2, model.layer3, model.layer4))
+    rows = [r for r in report.layers if "shortcut add" in r.action]
+    assert len(rows) == len(tails), str(report)
+    assert all(r.reason.startswith("measured") for r in rows), str(report)
+    # No BatchNorm is left: the blocks' own chains fold too, now that each ReLU call has its module.
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules()), str(report)
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(fast(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+
+
+def test_forced_resnet_uses_fused_add_relu_and_keeps_outputs():
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    x = torch.randn(2, 3, 48, 48)
+    fast, report = opforge.optimize(model, report=True, force=True)
+    tails = [m for m in fast.modules() if isinstance(m, opforge.nn.ConvResidual)]
+    assert tails and all(t.engine == "add_relu" for t in tails), str(report)
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(fast(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+
+
+def test_state_dict_copies_pickle_compile_and_export():
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    state = fast.state_dict()
+    assert "layer1.0.conv2.weight" in state and "layer1.0.conv2.bias" in state
+    assert not any(k.startswith("layer1.0.bn2.") for k in state)
+    again = opforge.optimize(model, example_inputs=(x,))
+    with torch.no_grad():
+        for p in again.parameters():
+            p.add_(1.0)
+    again.load_state_dict(state)
+    buffer = io.BytesIO()
+    torch.save(fast, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(fast, fullgraph=True)
+    exported = torch.export.export(fast, (x,))
+    with torch.no_grad():
+        ref = model(x)
+        tol = dict(atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+        for other in (again, copy.deepcopy(fast), loaded, compiled, exported.module()):
+            torch.testing.assert_close(other(x), ref, **tol)
+
+
+def test_channels_last_and_dtype_moves_after_optimize():
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(1, 3, 32, 32).to(memory_format=torch.channels_last)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    for p in fast.parameters():
+        if p.dim() == 4:
+            assert p.is_contiguous(memory_format=torch.channels_last)
+    as_double = copy.deepcopy(fast).to(torch.float64)
+    with torch.no_grad():
+        ref = model.to(torch.float64)(x.double())
+        out = as_double(x.double())
+    # The folded weights were rounded to float32 once, before the move: float32's tolerance.
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+def test_training_mode_blocks_are_left_as_they_are():
+    model = torchvision.models.resnet18(num_classes=10).train()
+    fast = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),))
+    assert type(fast.layer1[0]) is type(model.layer1[0])
+    assert not any(isinstance(m, opforge.nn.ConvResidual) for m in fast.modules())
+
+
+class FunctionalBlock(torch.nn.Module):
+    """A block written with torch.add and F.relu, a shortcut through a 1x1 conv, and a conv without BatchNorm."""
+
+    def __init__(self, act=None):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.short = torch.nn.Conv2d(4, 8, 1)
+        self.act = act
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        s = torch.add(self.conv2(y), self.short(x))
+        return self.act(s) if self.act is not None else F.relu(s)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, act=None):
+        super().__init__()
+        self.block = FunctionalBlock(act)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.block(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("act", [None, torch.nn.SiLU(), torch.nn.Hardswish(), torch.nn.GELU()])
+def test_functional_blocks_and_other_activations(act):
+    model = randomize_batchnorm(Net(act)).eval()
+    x = torch.randn(2, 4, 12, 12)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    tails = [m for m in fast.modules() if isinstance(m, opforge.nn.ConvResidual)]
+    if isinstance(act, torch.nn.GELU):  # not an activation opforge fuses: the block is left
+        assert not tails and type(fast.block) is FunctionalBlock, str(report)
+    else:
+        assert len(tails) == 1, str(report)
+        expected = {type(None): "relu", torch.nn.SiLU: "silu", torch.nn.Hardswish: "hardswish"}[type(act)]
+        assert tails[0].activation == expected
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_shortcut_that_reads_the_branch_is_left():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.relu = torch.nn.ReLU()
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.relu(y + y * 2)
+
+    model = torch.nn.Sequential(Block()).eval()
+    x = torch.randn(1, 4, 8, 8)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    assert not any(isinstance(m, opforge.nn.ConvResidual) for m in fast.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
