@@ -194,10 +194,41 @@ def test_bad_arguments():
 
 
 @pytest.mark.cuda
-def test_cuda_runs_torchs_conv():
+@pytest.mark.parametrize("activation", [None, "relu6", "silu"])
+def test_cuda_runs_torchs_conv_for_other_activations(activation):
     conv = torch.nn.Conv2d(4, 6, 3, padding=1).cuda().eval()
-    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation=activation)
     x = torch.randn(2, 4, 9, 9, device="cuda")
     with torch.no_grad():
-        torch.testing.assert_close(fast(x), F.relu(conv(x)))
+        assert not fast._cudnn_path(x)
+        torch.testing.assert_close(fast(x), TORCH_ACT[activation](conv(x)))
     assert fast._packed is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda d: "-".join(f"{k[0]}{v}" for k, v in d.items()))
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cuda_relu_runs_cudnns_fused_conv(layer, channels_last, dtype):
+    conv = torch.nn.Conv2d(**layer).eval().to("cuda", dtype)
+    x = torch.randn(2, layer["in_channels"], 13, 11, dtype=dtype, device="cuda")
+    if channels_last:
+        conv = conv.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            assert fast._cudnn_path(x)
+            out = fast(x)
+            assert out.stride() == conv(x).stride()
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+    ref = reference(x, conv, "relu")
+    terms = conv.weight[0].numel()
+    tol = {torch.float32: 1e-6 * terms, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol * (ref.abs().max().item() + 1), rtol=0)
+    # With a gradient recorded it is torch's conv, and trains as it does.
+    x.requires_grad_()
+    fast(x).float().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

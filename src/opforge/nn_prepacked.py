@@ -1,4 +1,7 @@
-"""``PrepackedConv2d``: a CPU inference conv whose weight oneDNN reorders once, with its activation fused.
+"""``PrepackedConv2d``: an inference conv with its activation fused by the vendor library.
+
+On the CPU oneDNN runs it with the weight reordered once; on CUDA a ReLU
+layer runs as cuDNN's fused convolution + bias + ReLU.
 
 ATen's CPU convolution hands oneDNN a plain (K, C/groups, kh, kw) weight, and
 oneDNN reorders it into its blocked layout on every call; for a layer with
@@ -19,6 +22,10 @@ from .ops.conv import TORCH_ACTIVATIONS
 # opforge's activation names -> oneDNN's post-op and its scalars.
 _POST_OPS = {None: ("none", []), "relu": ("relu", []), "relu6": ("hardtanh", [0.0, 6.0])}
 _POST_OPS.update({"hardswish": ("hardswish", []), "silu": ("swish", [])})
+
+
+# The dtypes cuDNN's fused convolution + bias + ReLU (and + add + ReLU) takes.
+CUDNN_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _pair(v, name: str) -> tuple[int, int]:
@@ -48,9 +55,11 @@ class PrepackedConv2d(torch.nn.Module):
     float16 where the CPU has them), with no gradient being recorded, it is
     one oneDNN convolution with the weight reordered once into oneDNN's
     layout and the activation (None, ``"relu"``, ``"relu6"``, ``"hardswish"``,
-    ``"silu"``) as its post-op. Everywhere else (CUDA, training, other
-    dtypes, and while ``torch.compile`` or ``torch.export`` traces it, where
-    inductor's own freezing does the same) it is ``F.conv2d`` and the
+    ``"silu"``) as its post-op. On CUDA with ``"relu"`` (float32, float16,
+    bfloat16, no gradient recorded) it is cuDNN's fused convolution + bias +
+    ReLU, one call. Everywhere else (training, other activations on CUDA,
+    other dtypes, and while ``torch.compile`` or ``torch.export`` traces it,
+    where inductor fuses the activation itself) it is ``F.conv2d`` and the
     activation. The parameters are ``weight`` and ``bias``, as in
     ``nn.Conv2d``; the reordered copy is a cache, rebuilt when the weight is
     changed or moved (a change through ``.data`` needs ``invalidate()``), and
@@ -141,7 +150,21 @@ class PrepackedConv2d(torch.nn.Module):
         which bypasses the version counter; every other change is seen."""
         self._packed, self._packed_for, self._packed_storage = None, None, None
 
+    def _cudnn_path(self, x: torch.Tensor) -> bool:
+        """cuDNN's fused convolution + bias + ReLU applies: CUDA, ReLU, a dtype cuDNN fuses, no graph."""
+        if self.activation != "relu" or not x.is_cuda or x.dim() != 4 or torch.compiler.is_compiling():
+            return False
+        if x.dtype != self.weight.dtype or x.dtype not in CUDNN_FUSED_DTYPES or not torch.backends.cudnn.enabled:
+            return False
+        return not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cudnn_path(x):
+            return torch.cudnn_convolution_relu(
+                x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+            )
         if self._fast_path(x):
             attr, scalars = _POST_OPS[self.activation]
             y = torch.ops.mkldnn._convolution_pointwise(

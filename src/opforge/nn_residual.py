@@ -22,13 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .nn_prepacked import PrepackedConv2d, _is_channels_last
+from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, _is_channels_last
 from .ops.add import add_relu
 from .ops.conv import TORCH_ACTIVATIONS
 
 ENGINES = ("torch", "add_relu", "cudnn", "onednn")
-# cuDNN's fused convolution + add + ReLU takes these dtypes.
-_CUDNN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # oneDNN applies no other activation after an add post-op.
 ONEDNN_ACTIVATIONS = ("relu", None)
 
@@ -105,7 +103,7 @@ class ConvResidual(PrepackedConv2d):
             )  # fmt: skip
             cl = _is_channels_last(x) or _is_channels_last(self.weight)
             return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
-        if engine == "cudnn" and x.is_cuda and x.dtype in _CUDNN_DTYPES and self._fused_call_fits(x, residual):
+        if engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and self._fused_call_fits(x, residual):
             return torch.cudnn_convolution_add_relu(
                 x, self.weight, residual, 1.0, self.bias, self.stride, self.padding, self.dilation, self.groups
             )

@@ -20,11 +20,16 @@ trace):
   swapped, and the report says so. ``force=True`` swaps every such layer
   without timing it: the outputs are the same, the speed is not chosen (for
   checking a model's numerics under opforge's kernels, or measuring them).
-- On the CPU in eval mode every conv with zero padding (any kernel size,
-  dilation, groups) also has ``opforge.nn.PrepackedConv2d`` as a candidate:
+- In eval mode every conv with zero padding (any kernel size, dilation,
+  groups) also has ``opforge.nn.PrepackedConv2d`` as a candidate: on the CPU
   oneDNN's convolution with its weight reordered once and the activation as
-  its post-op. Of the candidates faster than torch's layers, the fastest is
-  taken.
+  its post-op; on CUDA, where the activation is a ReLU, cuDNN's fused
+  convolution + bias + ReLU. Of the candidates faster than torch's layers,
+  the fastest is taken.
+- Inside eval-mode blocks (``optimize_blocks``): a shared activation module
+  gets a copy per call, and each ``conv [-> BatchNorm] -> add(shortcut) ->
+  activation`` tail becomes one ``opforge.nn.ConvResidual`` on the engine
+  that times fastest.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
   opforge's op only where that op is also faster than what inductor makes of
   torch's conv (the conv, then its bias and activation fused into one pass);
@@ -120,7 +125,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         return LayerReport(chain.conv, pattern, "left", "; ".join(r for r in (fold_note, reason) if r))
 
     act_name = _FUSABLE_ACTIVATIONS.get(type(act))
-    # opforge's fused op where it has one; for CPU inference also oneDNN with a prepacked weight (timed only).
+    # opforge's fused op where it has one; for inference also the vendor's fused conv (timed only).
     own = ConvCandidate.of(target, act_name)
     candidates = [own] + ([] if force else [PrepackedCandidate.of(target, act_name, x)])
     candidates = [c for c in candidates if c is not None]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .nn import Conv2d1x1, Conv2d3x3
-from .nn_prepacked import PrepackedConv2d, explicit_padding, onednn_runs
+from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, explicit_padding, onednn_runs
 
 _cache: dict[tuple, tuple[bool, str]] = {}
 # opforge's kernel must be this much faster (3%) to replace torch's layers.
@@ -80,21 +80,29 @@ class ConvCandidate:
 
 @dataclasses.dataclass
 class PrepackedCandidate:
-    """The conv as a PrepackedConv2d: oneDNN with its weight reordered once and the activation as
-    its post-op, for CPU inference (any kernel size, stride, dilation and groups; zero padding)."""
+    """The conv as a PrepackedConv2d, for inference: on the CPU oneDNN with its weight reordered
+    once and the activation as its post-op (any kernel size, stride, dilation and groups; zero
+    padding); on CUDA, for a ReLU, cuDNN's fused convolution + bias + ReLU."""
 
     conv: torch.nn.Conv2d
     activation: str | None
+    cuda: bool = False
     op = "prepacked"
-    label = "oneDNN conv with a prepacked weight"
+
+    @property
+    def label(self) -> str:
+        return "cuDNN's fused conv" if self.cuda else "oneDNN conv with a prepacked weight"
 
     @classmethod
     def of(cls, conv: torch.nn.Conv2d, activation: str | None, x: torch.Tensor | None) -> PrepackedCandidate | None:
-        if x is None or x.device.type != "cpu" or x.dim() != 4 or conv.training or not onednn_runs(x.dtype):
+        if x is None or x.dim() != 4 or conv.training or x.dtype != conv.weight.dtype:
             return None
-        if explicit_padding(conv) is None or conv.padding_mode != "zeros" or x.dtype != conv.weight.dtype:
+        if explicit_padding(conv) is None or conv.padding_mode != "zeros":
             return None
-        return cls(conv, activation)
+        if x.is_cuda:
+            fused = activation == "relu" and x.dtype in CUDNN_FUSED_DTYPES and torch.backends.cudnn.is_available()
+            return cls(conv, activation, cuda=True) if fused else None
+        return cls(conv, activation) if x.device.type == "cpu" and onednn_runs(x.dtype) else None
 
     def module(self) -> torch.nn.Module:
         return PrepackedConv2d.from_conv(self.conv, activation=self.activation)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .nn_prepacked import onednn_runs
-from .nn_residual import _CUDNN_DTYPES, ONEDNN_ACTIVATIONS
+from .nn_prepacked import CUDNN_FUSED_DTYPES, onednn_runs
+from .nn_residual import ONEDNN_ACTIVATIONS
 from .optimize_blocks import ResidualTail
 from .optimize_choice import _MARGIN, _cache, _layout, _median_us
 from .optimize_report import LayerReport
@@ -24,7 +24,7 @@ def engines_for(layer, x: torch.Tensor) -> list[str]:
     out = []
     if layer.activation == "relu":
         out.append("add_relu")
-        if x.is_cuda and x.dtype in _CUDNN_DTYPES and torch.backends.cudnn.is_available():
+        if x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and torch.backends.cudnn.is_available():
             out.append("cudnn")
     if layer.activation in ONEDNN_ACTIVATIONS and x.device.type == "cpu" and onednn_runs(x.dtype):
         out.append("onednn")
