@@ -283,3 +283,36 @@ def test_shortcut_that_reads_the_branch_is_left():
     assert not any(isinstance(m, opforge.nn.ConvResidual) for m in fast.modules())
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x))
+
+
+def test_optimizing_an_optimized_model_again_keeps_it():
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    once = opforge.optimize(model, example_inputs=(x,))
+    twice, report = opforge.optimize(once, example_inputs=(x,), report=True)
+    n_tails = sum(isinstance(m, opforge.nn.ConvResidual) for m in once.modules())
+    assert sum(isinstance(m, opforge.nn.ConvResidual) for m in twice.modules()) == n_tails
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(twice(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+
+
+def test_block_reading_its_own_tensors_keeps_them():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.gain = torch.nn.Parameter(torch.rand(1, 4, 1, 1) + 0.5)
+            self.register_buffer("offset", torch.randn(1, 4, 1, 1))
+
+        def forward(self, x):
+            return F.relu(self.bn(self.conv(x)) + (x * self.gain + self.offset))
+
+    model = torch.nn.Sequential(randomize_batchnorm(Scaled())).eval()
+    x = torch.randn(2, 4, 8, 8)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    assert isinstance(fast[0].conv, opforge.nn.ConvResidual)
+    assert {"0.gain", "0.offset"} <= set(fast.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import operator
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from .nn_prepacked import explicit_padding
 from .nn_residual import ConvResidual
 from .optimize_fold import folded_conv
-from .optimize_patterns import ACTIVATIONS, describe_conv
+from .optimize_patterns import ACTIVATIONS, Tracer, describe_conv
 
 # The activations a residual tail may end with, by opforge's name for them.
 _ACTIVATION_NAMES = {torch.nn.ReLU: "relu", torch.nn.ReLU6: "relu6", torch.nn.Hardswish: "hardswish"}
@@ -60,7 +61,7 @@ def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
         if type(block).__module__.startswith("torch.nn") or not any(True for _ in block.children()):
             continue  # torch's own layers, and leaves, have no block pattern
         try:
-            graph = torch.fx.symbolic_trace(block).graph
+            graph = Tracer().trace(block)
         except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
             continue
         modules = dict(block.named_modules())
@@ -78,22 +79,8 @@ def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
 
 
 def _referenced(block: torch.nn.Module, modules: dict, used: set) -> dict:
-    """What the rewritten graph reads: submodules by name, and parameters or buffers of the block."""
-    out = {}
-    for target in used:
-        if target in modules:
-            out[target] = modules[target]
-        else:
-            out[target] = block.get_parameter(target) if _is_parameter(block, target) else block.get_buffer(target)
-    return out
-
-
-def _is_parameter(block: torch.nn.Module, target: str) -> bool:
-    try:
-        block.get_parameter(target)
-        return True
-    except AttributeError:
-        return False
+    """What the rewritten graph reads: submodules by name, and attributes (parameters, buffers) of the block."""
+    return {t: modules[t] if t in modules else functools.reduce(getattr, t.split("."), block) for t in used}
 
 
 def _module_of(node, modules: dict, kinds):

@@ -27,7 +27,7 @@ class Chain:
     act: str | None = None
 
 
-class _Tracer(torch.fx.Tracer):
+class Tracer(torch.fx.Tracer):
     """fx's tracer, with opforge's own layers as leaves (their forward branches on the input)."""
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
@@ -36,7 +36,7 @@ class _Tracer(torch.fx.Tracer):
 
 def find_chains(model: torch.nn.Module) -> list[Chain]:
     try:
-        graph = _Tracer().trace(model)
+        graph = Tracer().trace(model)
     except Exception:  # control flow fx cannot trace: fall back to the Sequential containers
         return _sequential_chains(model)
     return _traced_chains(model, graph)
