@@ -100,3 +100,15 @@ def poisoned(device="cpu"):
     finally:
         torch.use_deterministic_algorithms(old)
         torch.utils.deterministic.fill_uninitialized_memory = old_fill
+
+
+def randomize_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
+    """Random BatchNorm statistics and affine parameters, in place: a fresh model's mean 0 /
+    variance 1 would hide folding bugs."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.5, 0.5)
+    return model

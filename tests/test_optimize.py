@@ -2,22 +2,12 @@
 
 import pytest
 import torch
+from reference import randomize_batchnorm
 
 import opforge
 from opforge.optimize_fold import folded_weight_and_bias
 
 torchvision = pytest.importorskip("torchvision")
-
-
-def randomize_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
-    # A fresh model's mean 0 / variance 1 statistics would hide folding bugs.
-    for m in model.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.running_mean.uniform_(-1, 1)
-            m.running_var.uniform_(0.5, 2.0)
-            m.weight.data.uniform_(0.5, 1.5)
-            m.bias.data.uniform_(-0.5, 0.5)
-    return model
 
 
 def test_fold_math_is_exact_in_float64():
