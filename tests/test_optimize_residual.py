@@ -145,8 +145,11 @@ def test_resnet_blocks_are_rewritten_and_keep_outputs(name):
     rows = [r for r in report.layers if "shortcut add" in r.action]
     assert len(rows) == len(tails), str(report)
     assert all(r.reason.startswith("measured") for r in rows), str(report)
-    # No BatchNorm is left: the blocks' own chains fold too, now that each ReLU call has its module.
-    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules()), str(report)
+    # Every tail folds its BatchNorm. The blocks' other chains fold theirs too (each ReLU call has a
+    # module of its own now), unless the folded conv timed slower, which the report then says.
+    kept = [r for r in report.layers if "BatchNorm2d" in r.pattern and "BatchNorm folded" not in r.action]
+    assert all("BatchNorm not folded" in r.reason for r in kept), str(report)
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules()) == len(kept), str(report)
     with torch.no_grad():
         ref = model(x)
         torch.testing.assert_close(fast(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
