@@ -30,6 +30,9 @@ trace):
   gets a copy per call, and each ``conv [-> BatchNorm] -> add(shortcut) ->
   activation`` tail becomes one ``opforge.nn.ConvResidual`` on the engine
   that times fastest.
+- On the CPU, an eval-mode model called with NCHW batches runs channels_last
+  inside (``optimize_layout``: a hook converts the inputs once and the 4-d
+  outputs back) where that measures faster with torch's own layers.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
   opforge's op only where that op is also faster than what inductor makes of
   torch's conv (the conv, then its bias and activation fused into one pass);
@@ -50,6 +53,7 @@ import torch
 from .optimize_blocks import rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
+from .optimize_layout import choose_channels_last
 from .optimize_patterns import Chain, describe_conv, find_chains
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
@@ -83,6 +87,11 @@ def optimize(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opforge.optimize: model must be a torch.nn.Module, got {type(model).__name__}")
     out = model if inplace else copy.deepcopy(model)
+    notes = []
+    if example_inputs is not None and not force:
+        # Before any layer is replaced: the layers are then timed on the layout they will see.
+        _, why = choose_channels_last(out, example_inputs)
+        notes += [why] if why else []
     tails = rewrite_blocks(out)
     chains = find_chains(out)
     names = [chain.conv for chain in chains] + [tail.name for tail in tails]
@@ -93,7 +102,7 @@ def optimize(
     # The report lists the layers in the model's order.
     order = {name: i for i, (name, _) in enumerate(out.named_modules())}
     ordered = [layers[name] for name in sorted(layers, key=lambda n: order.get(n, len(order)))]
-    return (out, OptimizeReport(ordered)) if report else out
+    return (out, OptimizeReport(ordered, notes)) if report else out
 
 
 def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measured: bool, force: bool) -> LayerReport:

@@ -16,9 +16,11 @@ class LayerReport:
 @dataclasses.dataclass
 class OptimizeReport:
     layers: list[LayerReport]
+    notes: list[str] = dataclasses.field(default_factory=list)  # model-level choices
 
     def __str__(self) -> str:
-        lines = [f"{'layer':<28} {'pattern':<46} action"]
+        lines = [f"model: {note}" for note in self.notes]
+        lines.append(f"{'layer':<28} {'pattern':<46} action")
         for r in self.layers:
             lines.append(f"{r.conv:<28} {r.pattern:<46} {r.action}" + (f" ({r.reason})" if r.reason else ""))
         return "\n".join(lines)

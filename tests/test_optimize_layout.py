@@ -1,0 +1,144 @@
+"""optimize's one model-level choice: an NCHW model on the CPU runs channels_last inside."""
+
+import copy
+import io
+
+import pytest
+import torch
+from reference import randomize_batchnorm
+
+import opforge
+from opforge import optimize_layout
+
+torchvision = pytest.importorskip("torchvision")
+
+
+def timings(monkeypatch, inside_us: float, nchw_us: float):
+    """Make the model-level timing say channels_last inside takes inside_us, NCHW nchw_us."""
+    values = iter([inside_us, nchw_us])
+    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: next(values))
+
+
+def layouts_seen(model, x):
+    """The memory format of every 4-d input a leaf module of ``model`` receives for ``x``."""
+    seen = []
+
+    def hook(module, args):
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 and args[0].shape[1] > 1:
+            cl = args[0].is_contiguous(memory_format=torch.channels_last) and not args[0].is_contiguous()
+            seen.append("cl" if cl else "nchw")
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if not list(m.children())]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def test_faster_channels_last_is_taken_and_invisible_to_the_caller(monkeypatch):
+    timings(monkeypatch, 5.0, 10.0)
+    model = randomize_batchnorm(torchvision.models.mobilenet_v2(num_classes=10)).eval()
+    x = torch.randn(1, 3, 64, 64)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert optimize_layout.has_channels_last_hooks(fast)
+    assert report.notes and "channels_last inside" in report.notes[0], str(report)
+    assert str(report).startswith("model: NCHW inputs run as channels_last inside")
+    assert set(layouts_seen(fast, x)) == {"cl"}
+    assert not optimize_layout.has_channels_last_hooks(model)  # the original is untouched
+    for p in fast.parameters():  # the parameters keep their memory format
+        assert p.is_contiguous()
+    with torch.no_grad():
+        ref = model(x)
+        out = fast(x)
+    assert out.stride() == ref.stride()
+    torch.testing.assert_close(out, ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+
+
+def test_slower_channels_last_is_not_taken(monkeypatch):
+    timings(monkeypatch, 10.0, 10.0)  # a tie is not a win
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert not optimize_layout.has_channels_last_hooks(fast)
+    assert "not faster" in report.notes[0]
+    assert set(layouts_seen(fast, x)) == {"nchw"}
+
+
+def test_four_d_outputs_come_back_in_nchw(monkeypatch):
+    timings(monkeypatch, 5.0, 10.0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), randomize_batchnorm(torch.nn.BatchNorm2d(8)), torch.nn.ReLU()
+    ).eval()
+    x = torch.randn(2, 3, 16, 16)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    assert optimize_layout.has_channels_last_hooks(fast)
+    with torch.no_grad():
+        out, ref = fast(x), model(x)
+    assert out.is_contiguous() and out.stride() == ref.stride()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+class NeedsNCHW(torch.nn.Module):
+    """A model whose forward views a conv output as NCHW, which channels_last strides cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y.view(y.shape[0], -1)  # merges C, H and W: only NCHW strides allow it
+
+
+def test_a_model_that_needs_nchw_strides_keeps_nchw(monkeypatch):
+    timings(monkeypatch, 5.0, 10.0)
+    model = NeedsNCHW().eval()
+    x = torch.randn(2, 3, 8, 8)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert not optimize_layout.has_channels_last_hooks(fast)
+    assert "does not run channels_last inside" in report.notes[0]
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
+
+
+def test_not_considered_for_channels_last_inputs_training_or_no_example(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("no model-level timing expected")
+
+    monkeypatch.setattr(optimize_layout, "_median_us", fail)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    cases = [
+        (model, (x.contiguous(memory_format=torch.channels_last),)),  # already channels_last
+        (copy.deepcopy(model).train(), (x,)),  # training mode
+        (torch.nn.Linear(3, 3).eval(), (torch.randn(2, 3),)),  # no 4-d input
+    ]
+    for m, inputs in cases:
+        fast, report = opforge.optimize(m, example_inputs=inputs, report=True)
+        assert not optimize_layout.has_channels_last_hooks(fast) and not report.notes
+    fast = opforge.optimize(model)  # without example inputs nothing is timed
+    assert not optimize_layout.has_channels_last_hooks(fast)
+
+
+def test_hooked_model_copies_pickles_compiles_exports_and_reoptimizes(monkeypatch):
+    timings(monkeypatch, 5.0, 10.0)
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    assert optimize_layout.has_channels_last_hooks(fast)
+    again = opforge.optimize(fast, example_inputs=(x,))  # no second pair of hooks
+    assert sum(h is optimize_layout.channels_last_inputs for h in again._forward_pre_hooks.values()) == 1
+    buffer = io.BytesIO()
+    torch.save(fast, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert optimize_layout.has_channels_last_hooks(loaded)
+    torch._dynamo.reset()
+    compiled = torch.compile(fast, fullgraph=True)
+    exported = torch.export.export(fast, (x,)).module()
+    with torch.no_grad():
+        ref = model(x)
+        tol = dict(atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+        for other in (copy.deepcopy(fast), loaded, compiled, exported, again):
+            torch.testing.assert_close(other(x), ref, **tol)
