@@ -126,11 +126,18 @@ class PrepackedConv2d(torch.nn.Module):
             return False
         if x.dtype != self.weight.dtype or not onednn_runs(x.dtype):
             return False
-        records_grad = torch.is_grad_enabled() and (
-            x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        )
         # An inference tensor has no version counter, so in-place changes to it could not be seen.
-        return not records_grad and x.shape[1] == self.in_channels and not self.weight.is_inference()
+        return not self._records_grad(x) and x.shape[1] == self.in_channels and not self.weight.is_inference()
+
+    def _records_grad(self, *inputs: torch.Tensor) -> bool:
+        """Autograd records this call: the fused engines have no backward, torch's ops do."""
+        tensors = (*inputs, self.weight, self.bias)
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+    def _in_conv_format(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A oneDNN output in F.conv2d's memory format: channels_last when the input or the weight is."""
+        cl = _is_channels_last(x) or _is_channels_last(self.weight)
+        return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
 
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor:
         # The weight's storage (held, so that its address cannot be reused while cached), its
@@ -156,9 +163,7 @@ class PrepackedConv2d(torch.nn.Module):
             return False
         if x.dtype != self.weight.dtype or x.dtype not in CUDNN_FUSED_DTYPES or not torch.backends.cudnn.enabled:
             return False
-        return not (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, self.weight, self.bias))
-        )
+        return not self._records_grad(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cudnn_path(x):
@@ -171,9 +176,7 @@ class PrepackedConv2d(torch.nn.Module):
                 x, self._packed_weight(x), self.bias, list(self.padding), list(self.stride), list(self.dilation),
                 self.groups, attr, scalars, "",
             )  # fmt: skip
-            # F.conv2d's output format: channels_last when the input or the weight is.
-            cl = _is_channels_last(x) or _is_channels_last(self.weight)
-            return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+            return self._in_conv_format(y, x)
         y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y

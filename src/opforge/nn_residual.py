@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, _is_channels_last
+from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d
 from .ops.add import add_relu
 from .ops.conv import TORCH_ACTIVATIONS
 
@@ -81,11 +81,7 @@ class ConvResidual(PrepackedConv2d):
             return False
         if residual.dtype != x.dtype or residual.device != x.device or x.dtype != self.weight.dtype:
             return False
-        if torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, residual, self.weight, self.bias)
-        ):
-            return False
-        return tuple(residual.shape) == self._output_shape(x)
+        return not self._records_grad(x, residual) and tuple(residual.shape) == self._output_shape(x)
 
     def _output_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         sizes = []
@@ -101,8 +97,7 @@ class ConvResidual(PrepackedConv2d):
                 x, residual, self._packed_weight(x), self.bias, list(self.padding), list(self.stride),
                 list(self.dilation), self.groups, "add", None, self.activation, [], "",
             )  # fmt: skip
-            cl = _is_channels_last(x) or _is_channels_last(self.weight)
-            return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+            return self._in_conv_format(y, x)
         if engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and self._fused_call_fits(x, residual):
             return torch.cudnn_convolution_add_relu(
                 x, self.weight, residual, 1.0, self.bias, self.stride, self.padding, self.dilation, self.groups
