@@ -36,6 +36,7 @@ _OPS = (
     "nms_padded",
     "conv2d_3x3",
     "conv2d_1x1",
+    "conv2d_batch_norm",
 )
 _NEEDS_KERNELS = frozenset(_OPS) | {"nn", "ops", "optimize"}
 
@@ -48,6 +49,7 @@ def _load_ops() -> None:
     _loader.load()
     from .ops.add import add, add_relu
     from .ops.conv import conv2d_1x1, conv2d_3x3
+    from .ops.conv_batch_norm import conv2d_batch_norm
     from .ops.nms import batched_nms, nms, nms_padded
     from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
     from .optimize import optimize
@@ -61,6 +63,7 @@ def _load_ops() -> None:
         add_relu=add_relu,
         conv2d_3x3=conv2d_3x3,
         conv2d_1x1=conv2d_1x1,
+        conv2d_batch_norm=conv2d_batch_norm,
         batched_nms=batched_nms,
         nms=nms,
         nms_padded=nms_padded,

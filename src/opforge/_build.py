@@ -43,6 +43,7 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/softmax_avx512.cpp",
         "csrc/conv.cpp",
         "csrc/conv_autograd.cpp",
+        "csrc/conv_batch_norm.cpp",
         "csrc/conv_pointwise.cpp",
         "csrc/cpu/conv_cpu.cpp",
         "csrc/cpu/conv_dense_cpu.cpp",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .nn_conv_batch_norm import BatchNormInConv as BatchNormInConv
+from .nn_conv_batch_norm import ConvBatchNorm2d as ConvBatchNorm2d
 from .nn_prepacked import PrepackedConv2d as PrepackedConv2d
 from .nn_prepacked import with_params_of as _with_params_of
 from .nn_residual import ConvResidual as ConvResidual

@@ -50,6 +50,7 @@ import copy
 
 import torch
 
+from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 from .optimize_blocks import rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
@@ -116,7 +117,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     kept = (conv, bn) if bn is not None else (conv,)
     target, fold_note = conv, ""
     if bn is not None and (conv.training or bn.training):
-        return LayerReport(chain.conv, pattern, "left", "training mode: BatchNorm is not folded")
+        return _train_chain(model, chain, conv, bn, act, pattern)
     if bn is not None:
         target = folded_conv(conv, bn)
         pays, why = folding_pays(conv, bn, target, x) if timed else (True, "")
@@ -178,6 +179,33 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         _set(model, chain.act, torch.nn.Identity())
     actions.append(candidate.label + (f" + {type(act).__name__} fused" if act_name else "") + compiled_note)
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
+
+
+def _train_chain(model, chain: Chain, conv, bn, act, pattern: str) -> LayerReport:
+    """A training-mode conv -> BatchNorm [-> activation] as one ``ConvBatchNorm2d`` where it can be.
+
+    Not timed: the op runs the kernels the modules run, so it never costs
+    more than they do, and saves two module calls and two autograd nodes."""
+    why = "training mode: BatchNorm is not folded"
+    if type(conv) is not torch.nn.Conv2d or type(bn) is not torch.nn.BatchNorm2d or not bn.training:
+        return LayerReport(chain.conv, pattern, "left", f"{why}; not a plain Conv2d and training BatchNorm2d")
+    if bn.momentum is None:
+        return LayerReport(chain.conv, pattern, "left", f"{why}; momentum=None (a cumulative average) is kept")
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return LayerReport(chain.conv, pattern, "left", f"{why}; padding_mode or string padding is kept")
+    act_name = _FUSABLE_ACTIVATIONS.get(type(act))
+    batch_norm = BatchNormInConv.of(bn)
+    _set(model, chain.conv, ConvBatchNorm2d.of(conv, batch_norm, act_name))
+    _set(model, chain.bn, batch_norm)
+    action = "conv + BatchNorm" + (f" + {type(act).__name__}" if act_name else "") + " as one op"
+    if act_name is not None:
+        _set(model, chain.act, torch.nn.Identity())
+    return LayerReport(
+        chain.conv,
+        pattern,
+        action,
+        f"{why}; opforge.conv2d_batch_norm runs torch's kernels in one call and one autograd node (not timed)",
+    )
 
 
 def _layer_inputs(model: torch.nn.Module, names: list[str], example_inputs: tuple) -> dict[str, tuple]:

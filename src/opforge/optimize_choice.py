@@ -243,7 +243,10 @@ def folding_pays(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d, folded: torch.
 
 
 def _run(modules, post, x: torch.Tensor, training: bool):
-    """The modules then ``post`` on x: a forward without a graph in eval mode, forward and backward in training."""
+    """The modules then ``post`` on x: a forward without a graph in eval mode, forward and backward in training.
+
+    The backward returns its gradients instead of accumulating them: the
+    parameters are the model's own, whose ``.grad`` the timing must not touch."""
 
     def call(t):
         for m in modules:
@@ -253,8 +256,10 @@ def _run(modules, post, x: torch.Tensor, training: bool):
     if not training:
         with torch.no_grad():
             return call(x)
-    out = call(x.detach().requires_grad_())
-    out.sum().backward()
+    inputs = [x.detach().requires_grad_()]
+    inputs += [p for m in modules for p in m.parameters() if p.requires_grad]
+    out = call(inputs[0])
+    torch.autograd.grad(out.sum(), inputs, allow_unused=True)
     return out
 
 

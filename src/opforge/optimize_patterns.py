@@ -16,6 +16,8 @@ import dataclasses
 
 import torch
 
+from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
+
 # The activations a chain may end with (the ones opforge may fuse or report on).
 ACTIVATIONS = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardswish, torch.nn.SiLU)
 
@@ -47,7 +49,7 @@ def _traced_chains(model: torch.nn.Module, graph: torch.fx.Graph) -> list[Chain]
 
     def module_node(node, kind):
         ok = node is not None and node.op == "call_module" and calls[node.target] == 1
-        return ok and isinstance(model.get_submodule(node.target), kind)
+        return ok and _is(model.get_submodule(node.target), kind)
 
     def next_of(node):
         users = list(node.users)
@@ -75,16 +77,21 @@ def _sequential_chains(model: torch.nn.Module) -> list[Chain]:
             continue
         names = [(f"{prefix}.{n}" if prefix else n, m) for n, m in seq.named_children()]
         for i, (name, mod) in enumerate(names):
-            if not isinstance(mod, torch.nn.Conv2d) or counts[id(mod)] != 1:
+            if not _is(mod, torch.nn.Conv2d) or counts[id(mod)] != 1:
                 continue
             bn = act = None
             j = i + 1
-            if j < len(names) and isinstance(names[j][1], torch.nn.BatchNorm2d) and counts[id(names[j][1])] == 1:
+            if j < len(names) and _is(names[j][1], torch.nn.BatchNorm2d) and counts[id(names[j][1])] == 1:
                 bn, j = names[j][0], j + 1
             if j < len(names) and isinstance(names[j][1], ACTIVATIONS) and counts[id(names[j][1])] == 1:
                 act = names[j][0]
             chains.append(Chain(name, bn, act))
     return chains
+
+
+def _is(module: torch.nn.Module, kind) -> bool:
+    """``isinstance``, but opforge's training-mode conv + BatchNorm pair is never a chain again."""
+    return isinstance(module, kind) and not isinstance(module, (ConvBatchNorm2d, BatchNormInConv))
 
 
 def describe_conv(conv: torch.nn.Conv2d) -> str:

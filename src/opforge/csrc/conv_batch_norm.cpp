@@ -1,0 +1,301 @@
+// conv2d_batch_norm: a training-mode Conv2d -> BatchNorm2d -> activation as
+// one op, with one autograd node. It runs the kernels torch's three modules
+// run (ATen's convolution, its batch norm with batch statistics and the
+// running-statistics update, the activation in place), so values, gradients
+// and running statistics equal theirs; what it removes is the host work of
+// three module calls and three autograd nodes. Schema, checks, kernel and
+// autograd live here: the op has no device-specific code.
+#include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <opforge/autograd.h>
+#include <opforge/checks.h>
+
+#include "activation.h"
+
+namespace {
+
+using opforge::Activation;
+using opforge::autograd::Context;
+using opforge::autograd::Tensors;
+
+constexpr const char* kOp = "opforge.conv2d_batch_norm";
+
+using Optional = std::optional<at::Tensor>;
+
+bool defined(const Optional& t) { return t.has_value() && t->defined(); }
+at::Tensor value_or_undefined(const Optional& t) { return defined(t) ? *t : at::Tensor(); }
+
+// A per-channel BatchNorm tensor, when given: (K,) floating point, on x's device.
+void check_channel_tensor(const at::Tensor& x, const at::Tensor& t, const char* name, const c10::SymInt& K) {
+  if (!t.defined()) return;
+  opforge::check_float_tensor(t, kOp, name);
+  opforge::check_same_device(x, "x", t, name, kOp);
+  TORCH_CHECK(t.dim() == 1 && t.sym_size(0) == K, kOp, ": ", name, " must have shape [", opforge::num(K),
+              "] (the conv's output channels), got ", opforge::shape(t.sym_sizes()));
+}
+
+// What ATen's convolution and batch norm do not say in the op's own terms:
+// x 4-d, the weight 4-d of x's dtype and device, every per-channel tensor
+// (K,), running mean and variance given together, more than one value per
+// channel (as nn.BatchNorm2d requires in training).
+void check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& bn_weight,
+                const at::Tensor& bn_bias, const at::Tensor& running_mean, const at::Tensor& running_var,
+                const at::Tensor& num_batches_tracked, c10::IntArrayRef stride, c10::IntArrayRef padding,
+                c10::IntArrayRef dilation, int64_t groups) {
+  opforge::check_float_tensor(x, kOp, "x");
+  opforge::check_float_tensor(w, kOp, "weight");
+  opforge::check_dim(x, 4, kOp, "x");
+  opforge::check_dim(w, 4, kOp, "weight");
+  opforge::check_same_device(x, "x", w, "weight", kOp);
+  TORCH_CHECK_TYPE(x.scalar_type() == w.scalar_type(), kOp, ": x and weight must have the same dtype, got x ",
+                   opforge::dtype_name(x.scalar_type()), " and weight ", opforge::dtype_name(w.scalar_type()));
+  const c10::SymInt K = w.sym_size(0);
+  if (bias.defined()) {
+    check_channel_tensor(x, bias, "bias", K);
+    TORCH_CHECK_TYPE(bias.scalar_type() == x.scalar_type(), kOp, ": bias must have x's dtype ",
+                     opforge::dtype_name(x.scalar_type()), ", got ", opforge::dtype_name(bias.scalar_type()));
+  }
+  check_channel_tensor(x, bn_weight, "bn_weight", K);
+  check_channel_tensor(x, bn_bias, "bn_bias", K);
+  check_channel_tensor(x, running_mean, "running_mean", K);
+  check_channel_tensor(x, running_var, "running_var", K);
+  TORCH_CHECK_VALUE(running_mean.defined() == running_var.defined(), kOp,
+                    ": running_mean and running_var must be given together (or both None)");
+  if (num_batches_tracked.defined()) {
+    opforge::check_same_device(x, "x", num_batches_tracked, "num_batches_tracked", kOp);
+    TORCH_CHECK(num_batches_tracked.numel() == 1, kOp, ": num_batches_tracked must have one element, got shape ",
+                opforge::shape(num_batches_tracked.sym_sizes()));
+  }
+  const std::pair<const char*, c10::IntArrayRef> pairs[] = {
+      {"stride", stride}, {"padding", padding}, {"dilation", dilation}};
+  for (const auto& [name, v] : pairs) {
+    TORCH_CHECK_VALUE(v.size() == 1 || v.size() == 2, kOp, ": ", name, " must be an int or a pair, got ",
+                      opforge::shape(v));
+  }
+  TORCH_CHECK_VALUE(groups >= 1, kOp, ": groups must be positive, got ", opforge::num(groups));
+}
+
+std::vector<int64_t> pair(c10::IntArrayRef v) { return {v[0], v.size() == 2 ? v[1] : v[0]}; }
+
+// Everything the forward makes that the backward reads.
+struct ForwardResult {
+  at::Tensor out;        // act(bn(conv(x)))
+  at::Tensor conv_out;   // conv(x): the batch norm's input
+  at::Tensor pre_act;    // bn(conv(x)) where the activation's derivative needs it (hardswish, silu)
+  at::Tensor save_mean;  // the batch statistics and the engine's reserve, as ATen's backward takes them
+  at::Tensor save_invstd;
+  at::Tensor reserve;
+  int64_t impl_index = 0;
+};
+
+// The forward on ATen's kernels. keep_pre_act: keep bn(conv(x)) apart from
+// the output (a graph is recorded and the activation's derivative reads it);
+// otherwise the activation runs in place on the batch norm's output.
+ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& bn_weight,
+                          const at::Tensor& bn_bias, const at::Tensor& running_mean, const at::Tensor& running_var,
+                          const at::Tensor& num_batches_tracked, c10::IntArrayRef stride, c10::IntArrayRef padding,
+                          c10::IntArrayRef dilation, int64_t groups, double momentum, double eps, Activation act,
+                          bool keep_pre_act) {
+  check_args(x, w, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, stride, padding, dilation,
+             groups);
+  ForwardResult r;
+  r.conv_out = at::convolution(x, w, bias, pair(stride), pair(padding), pair(dilation), false, {0, 0}, groups);
+  // Checked where sizes are concrete (a symbolic trace checks when it runs).
+  if (!r.conv_out.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    const int64_t per_channel = r.conv_out.numel() / std::max<int64_t>(r.conv_out.size(1), 1);
+    TORCH_CHECK_VALUE(per_channel > 1 || r.conv_out.numel() == 0, kOp,
+                      ": expected more than 1 value per channel when training (as nn.BatchNorm2d), got a conv "
+                      "output of shape ",
+                      opforge::shape(r.conv_out.sym_sizes()));
+  }
+  at::Tensor normed;
+  std::tie(normed, r.save_mean, r.save_invstd, r.reserve, r.impl_index) =
+      at::_batch_norm_impl_index(r.conv_out, bn_weight, bn_bias, running_mean, running_var, /*training=*/true, momentum,
+                                 eps, at::globalContext().userEnabledCuDNN());
+  if (num_batches_tracked.defined() && running_mean.defined()) num_batches_tracked.add_(1);
+  switch (act) {
+    case Activation::None:
+      r.out = normed;
+      break;
+    case Activation::Relu:
+      r.out = normed.relu_();
+      break;
+    case Activation::Relu6:
+      r.out = at::hardtanh_(normed, 0, 6);
+      break;
+    case Activation::Hardswish:
+      if (keep_pre_act) r.pre_act = normed;
+      r.out = keep_pre_act ? at::hardswish(normed) : at::hardswish_(normed);
+      break;
+    case Activation::Silu:
+      if (keep_pre_act) r.pre_act = normed;
+      r.out = keep_pre_act ? at::silu(normed) : at::silu_(normed);
+      break;
+  }
+  return r;
+}
+
+// The kernel below autograd (every backend, meta tensors too): the output only.
+at::Tensor conv2d_batch_norm_kernel(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                    const std::optional<at::Tensor>& bn_weight,
+                                    const std::optional<at::Tensor>& bn_bias,
+                                    const std::optional<at::Tensor>& running_mean,
+                                    const std::optional<at::Tensor>& running_var,
+                                    const std::optional<at::Tensor>& num_batches_tracked, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                                    double momentum, double eps, std::optional<std::string_view> activation) {
+  const Activation act = opforge::parse_activation(kOp, activation);
+  return run_forward(x, w, value_or_undefined(bias), value_or_undefined(bn_weight), value_or_undefined(bn_bias),
+                     value_or_undefined(running_mean), value_or_undefined(running_var),
+                     value_or_undefined(num_batches_tracked), stride, padding, dilation, groups, momentum, eps, act,
+                     /*keep_pre_act=*/false)
+      .out;
+}
+
+// The activation's derivative, read from what the forward kept: the output
+// for relu and relu6 (0 < y (< 6) exactly where 0 < z (< 6)), the
+// pre-activation for hardswish and silu.
+at::Tensor grad_through_activation(const at::Tensor& grad, Activation act, const at::Tensor& out,
+                                   const at::Tensor& pre_act) {
+  switch (act) {
+    case Activation::Relu:
+      return at::threshold_backward(grad, out, 0);
+    case Activation::Relu6:
+      return at::hardtanh_backward(grad, out, 0, 6);
+    case Activation::Hardswish:
+      return at::hardswish_backward(grad, pre_act);
+    case Activation::Silu:
+      return at::silu_backward(grad, pre_act);
+    default:
+      return grad;
+  }
+}
+
+// The op's arguments in order (backward returns one gradient per argument).
+enum Input : int { kX, kW, kBias, kBnWeight, kBnBias, kRunningMean, kRunningVar, kNumBatches, kInputs = 15 };
+
+struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> {
+  static at::Tensor forward(Context* ctx, const at::Tensor& x, const at::Tensor& w, const Optional& bias_arg,
+                            const Optional& bn_weight_arg, const Optional& bn_bias_arg,
+                            const Optional& running_mean_arg, const Optional& running_var_arg,
+                            const Optional& num_batches_tracked_arg, c10::IntArrayRef stride, c10::IntArrayRef padding,
+                            c10::IntArrayRef dilation, int64_t groups, double momentum, double eps,
+                            std::optional<std::string_view> activation) {
+    const Activation act = opforge::parse_activation(kOp, activation);
+    const at::Tensor bias = value_or_undefined(bias_arg), bn_weight = value_or_undefined(bn_weight_arg);
+    const at::Tensor running_mean = value_or_undefined(running_mean_arg);
+    const at::Tensor running_var = value_or_undefined(running_var_arg);
+    ForwardResult r;
+    {
+      // Below autograd: this node alone records the graph.
+      at::AutoDispatchBelowAutograd below;
+      r = run_forward(x, w, bias, bn_weight, value_or_undefined(bn_bias_arg), running_mean, running_var,
+                      value_or_undefined(num_batches_tracked_arg), stride, padding, dilation, groups, momentum, eps,
+                      act, /*keep_pre_act=*/true);
+    }
+    // needs_input_grad counts the tensors given: an absent optional one shifts those after it.
+    int64_t given = 0;
+    const Optional* optionals[] = {&bias_arg, &bn_weight_arg, &bn_bias_arg};
+    for (int i = 0; i < 3; ++i) {
+      if (defined(*optionals[i])) given |= int64_t{1} << (kBias + i);
+    }
+    ctx->saved_data["geometry"] = std::vector<int64_t>{stride[0],   stride.size() == 2 ? stride[1] : stride[0],
+                                                       padding[0],  padding.size() == 2 ? padding[1] : padding[0],
+                                                       dilation[0], dilation.size() == 2 ? dilation[1] : dilation[0],
+                                                       groups,      r.impl_index,
+                                                       given};
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["act"] = static_cast<int64_t>(act);
+    const bool from_output = opforge::derivative_from_output(act);
+    ctx->save_for_backward({x, w, r.conv_out, bn_weight, running_mean, running_var, r.save_mean, r.save_invstd,
+                            r.reserve, from_output ? r.out : r.pre_act});
+    return r.out;
+  }
+
+  static Tensors backward(Context* ctx, Tensors grads) {
+    Tensors out(kInputs);
+    if (!grads[0].defined()) return out;
+    const std::vector<int64_t> g = ctx->saved_data["geometry"].toIntVector();
+    const double eps = ctx->saved_data["eps"].toDouble();
+    const auto act = static_cast<Activation>(ctx->saved_data["act"].toInt());
+    const Tensors s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &w = s[1], &conv_out = s[2], &bn_weight = s[3], &running_mean = s[4],
+                     &running_var = s[5], &save_mean = s[6], &save_invstd = s[7], &reserve = s[8], &kept = s[9];
+    const int64_t given = g[8] | (int64_t{1} << kX) | (int64_t{1} << kW);
+    auto needs = [&](int input) {
+      if (!(given & (int64_t{1} << input))) return false;
+      return ctx->needs_input_grad(__builtin_popcountll(given & ((int64_t{1} << input) - 1)));
+    };
+    const bool has_bias = given & (int64_t{1} << kBias);
+    const std::array<bool, 3> conv_mask{needs(kX), needs(kW), needs(kBias)};
+    const bool conv_needed = conv_mask[0] || conv_mask[1] || conv_mask[2];
+    const std::array<bool, 3> bn_mask{conv_needed, needs(kBnWeight), needs(kBnBias)};
+    if (!(bn_mask[0] || bn_mask[1] || bn_mask[2])) return out;
+    const at::Tensor grad = grad_through_activation(grads[0], act, kept, kept);
+    // ATen's native engine (index 0) called by name: its shape function traces with symbolic sizes,
+    // which the by-index dispatcher's empty-batch test does not.
+    auto [g_conv, g_bn_w, g_bn_b] =
+        g[7] == 0 && conv_out.sym_numel() != 0
+            ? at::native_batch_norm_backward(grad, conv_out, bn_weight, running_mean, running_var, save_mean,
+                                             save_invstd, /*train=*/true, eps, bn_mask)
+            : at::_batch_norm_impl_index_backward(g[7], conv_out, grad, bn_weight, running_mean, running_var, save_mean,
+                                                  save_invstd, /*train=*/true, eps, bn_mask, reserve);
+    if (bn_mask[1]) out[kBnWeight] = std::move(g_bn_w);
+    if (bn_mask[2]) out[kBnBias] = std::move(g_bn_b);
+    if (!conv_needed) return out;
+    const std::vector<c10::SymInt> bias_sizes{w.sym_size(0)};
+    const std::vector<c10::SymInt> stride{g[0], g[1]}, padding{g[2], g[3]}, dilation{g[4], g[5]}, zeros{0, 0};
+    auto [g_x, g_w, g_b] = at::convolution_backward_symint(
+        g_conv, x, w, has_bias ? at::OptionalSymIntArrayRef(bias_sizes) : at::OptionalSymIntArrayRef(), stride, padding,
+        dilation, false, zeros, g[6], conv_mask);
+    if (conv_mask[0]) out[kX] = std::move(g_x);
+    if (conv_mask[1]) out[kW] = std::move(g_w);
+    if (conv_mask[2]) out[kBias] = std::move(g_b);
+    return out;
+  }
+};
+
+// Without a graph to record, straight to the kernel below autograd.
+at::Tensor conv2d_batch_norm_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                      const std::optional<at::Tensor>& bn_weight,
+                                      const std::optional<at::Tensor>& bn_bias,
+                                      const std::optional<at::Tensor>& running_mean,
+                                      const std::optional<at::Tensor>& running_var,
+                                      const std::optional<at::Tensor>& num_batches_tracked, c10::IntArrayRef stride,
+                                      c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                                      double momentum, double eps, std::optional<std::string_view> activation) {
+  if (!opforge::autograd::records_graph(x, w, bias, bn_weight, bn_bias)) {
+    at::AutoDispatchBelowAutograd below;
+    return conv2d_batch_norm_kernel(x, w, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+                                    stride, padding, dilation, groups, momentum, eps, activation);
+  }
+  return ConvBatchNormFunction::apply(x, w, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
+                                      stride, padding, dilation, groups, momentum, eps, activation);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(opforge, m) {
+  // act(batch_norm(conv2d(x, weight, bias), training=True)): nn.Conv2d ->
+  // nn.BatchNorm2d (training mode) -> activation (None, "relu", "relu6",
+  // "hardswish", "silu"). Updates running_mean and running_var with
+  // `momentum` and adds 1 to num_batches_tracked, as nn.BatchNorm2d does;
+  // without running statistics it normalizes by the batch's alone.
+  m.def(
+      "conv2d_batch_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
+      "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, int[2] stride=1, "
+      "int[2] padding=0, int[2] dilation=1, int groups=1, float momentum=0.1, float eps=1e-05, "
+      "str? activation=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) { m.impl("conv2d_batch_norm", &conv2d_batch_norm_kernel); }
+
+TORCH_LIBRARY_IMPL(opforge, Autograd, m) { m.impl("conv2d_batch_norm", &conv2d_batch_norm_autograd); }

@@ -1,0 +1,122 @@
+"""``ConvBatchNorm2d``: a training-mode ``Conv2d -> BatchNorm2d -> activation`` as one op call.
+
+``opforge.optimize`` puts one where a model trains through such a chain. The
+conv keeps its place and parameter names (it is an ``nn.Conv2d``); the
+BatchNorm keeps its place, parameters and buffers as a
+:class:`BatchNormInConv` (a ``BatchNorm2d`` whose forward passes its input
+on, since the conv before it applies it); the activation's place holds an
+``nn.Identity``. So ``state_dict`` keys, optimizers' parameters and
+checkpoints are the original model's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops.conv import TORCH_ACTIVATIONS
+from .ops.conv_batch_norm import conv2d_batch_norm
+
+
+class BatchNormInConv(torch.nn.BatchNorm2d):
+    """A ``BatchNorm2d`` applied by the :class:`ConvBatchNorm2d` before it: its forward is the identity.
+
+    It holds the statistics and affine parameters that conv reads and
+    updates, under the BatchNorm's own names."""
+
+    @classmethod
+    def of(cls, bn: torch.nn.BatchNorm2d) -> BatchNormInConv:
+        """``bn``'s parameters and buffers (the same tensors) in a module of this class."""
+        out = cls.__new__(cls)
+        out.__dict__.update(bn.__dict__)
+        for store in ("_parameters", "_buffers", "_modules"):
+            out.__dict__[store] = dict(bn.__dict__[store])
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class ConvBatchNorm2d(torch.nn.Conv2d):
+    """``activation(batch_norm(conv2d(x)))`` with the BatchNorm held by a :class:`BatchNormInConv`.
+
+    Where the BatchNorm uses batch statistics (training mode, or no running
+    statistics) and its momentum is a number, the forward is one call of
+    ``opforge.conv2d_batch_norm``: ATen's convolution, batch norm and
+    activation kernels, one autograd node, so values, gradients and running
+    statistics equal torch's layers. Elsewhere (eval mode, a cumulative
+    average with ``momentum=None``, ``padding_mode`` other than zeros, a
+    string padding, an unbatched input, under autocast, and while
+    ``torch.compile`` or export traces it) it runs the three as torch's
+    modules do.
+
+    >>> import torch, opforge
+    >>> conv, bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+    >>> fused = opforge.nn.ConvBatchNorm2d.of(conv, opforge.nn.BatchNormInConv.of(bn), "relu")
+    >>> x = torch.randn(2, 3, 8, 8)
+    >>> torch.equal(fused(x), torch.relu(bn(conv(x))))
+    True
+    """
+
+    activation: str | None
+
+    @classmethod
+    def of(cls, conv: torch.nn.Conv2d, batch_norm: BatchNormInConv, activation: str | None = None) -> ConvBatchNorm2d:
+        """``conv`` (the same parameters) followed by ``batch_norm`` and ``activation`` (None, ``"relu"``,
+        ``"relu6"``, ``"hardswish"``, ``"silu"``)."""
+        if type(conv) is not torch.nn.Conv2d:
+            raise TypeError(f"ConvBatchNorm2d.of: conv must be a torch.nn.Conv2d, got {type(conv).__name__}")
+        if not isinstance(batch_norm, BatchNormInConv):
+            raise TypeError(
+                f"ConvBatchNorm2d.of: batch_norm must be an opforge.nn.BatchNormInConv (BatchNormInConv.of(bn)), "
+                f"got {type(batch_norm).__name__}"
+            )
+        if activation not in TORCH_ACTIVATIONS:
+            raise ValueError(
+                "ConvBatchNorm2d.of: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', "
+                f"got {activation!r}"
+            )
+        out = cls.__new__(cls)
+        out.__dict__.update(conv.__dict__)
+        for store in ("_parameters", "_buffers", "_modules"):
+            out.__dict__[store] = dict(conv.__dict__[store])
+        out.activation = activation
+        # Not a submodule: the BatchNorm is registered where it was, so its state keeps its names.
+        object.__setattr__(out, "batch_norm", batch_norm)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.batch_norm
+        batch_stats = bn.training or bn.running_mean is None
+        if (
+            batch_stats
+            and bn.momentum is not None
+            and self.padding_mode == "zeros"
+            and not isinstance(self.padding, str)
+            and x.dim() == 4
+            and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            count = bn.num_batches_tracked if bn.training and bn.track_running_stats else None
+            return conv2d_batch_norm(
+                x,
+                self.weight,
+                self.bias,
+                bn.weight,
+                bn.bias,
+                bn.running_mean if not bn.training or bn.track_running_stats else None,
+                bn.running_var if not bn.training or bn.track_running_stats else None,
+                count,
+                self.stride,
+                self.padding,
+                self.dilation,
+                self.groups,
+                bn.momentum,
+                bn.eps,
+                self.activation,
+            )
+        y = torch.nn.BatchNorm2d.forward(bn, self._conv_forward(x, self.weight, self.bias))
+        act = TORCH_ACTIVATIONS[self.activation]
+        return y if act is None else act(y)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", batch_norm=({self.batch_norm.extra_repr()}), activation={self.activation!r}"

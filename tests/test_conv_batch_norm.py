@@ -1,0 +1,293 @@
+"""opforge.conv2d_batch_norm and nn.ConvBatchNorm2d: training-mode conv -> BatchNorm -> activation in one call.
+
+The op runs torch's own kernels, so on the CPU every output, gradient and
+running statistic must equal the three modules' bit for bit; on CUDA within
+a rounding (cuDNN may pick another algorithm for a second call)."""
+
+import copy
+import io
+
+import pytest
+import torch
+from reference import randomize_batchnorm
+
+import opforge
+
+torchvision = pytest.importorskip("torchvision")
+
+ACTIVATIONS = {None: torch.nn.Identity, "relu": torch.nn.ReLU, "relu6": torch.nn.ReLU6, "hardswish": torch.nn.Hardswish}
+ACTIVATIONS["silu"] = torch.nn.SiLU
+
+
+def modules(dtype, device, activation="relu", kernel=3, stride=1, padding=1, dilation=1, groups=1, bias=False, **bn):
+    conv = torch.nn.Conv2d(8, 16, kernel, stride, padding, dilation, groups, bias=bias)
+    block = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(16, **bn), ACTIVATIONS[activation]())
+    with torch.no_grad():
+        randomize_batchnorm(block) if bn.get("affine", True) and bn.get("track_running_stats", True) else None
+    return block.to(device, dtype).train()
+
+
+def call_op(block, x, activation):
+    conv, bn = block[0], block[1]
+    return opforge.conv2d_batch_norm(
+        x,
+        conv.weight,
+        conv.bias,
+        bn.weight,
+        bn.bias,
+        bn.running_mean,
+        bn.running_var,
+        bn.num_batches_tracked,
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        conv.groups,
+        bn.momentum,
+        bn.eps,
+        activation,
+    )
+
+
+def compare(block, activation, x, device, exact):
+    """The op on a copy of block against block itself: output, every gradient, the running statistics."""
+    mine = copy.deepcopy(block)
+    x1 = x.detach().clone().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    ref = block(x1)
+    out = call_op(mine, x2, activation)
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    out.backward(grad)
+    pairs = [(out, ref), (x2.grad, x1.grad)]
+    pairs += [(p.grad, q.grad) for p, q in zip(mine.parameters(), block.parameters())]
+    pairs += [(p, q) for p, q in zip(mine.buffers(), block.buffers())]
+    for actual, expected in pairs:
+        assert (actual is None) == (expected is None)
+        if actual is None:
+            continue
+        if exact:
+            assert torch.equal(actual, expected)
+        else:
+            rtol = {torch.float32: 1e-4, torch.float64: 1e-10}.get(actual.dtype, 2e-2)
+            scale = expected.abs().max().item() + 1e-6
+            torch.testing.assert_close(actual, expected, rtol=0, atol=rtol * scale)
+    assert out.stride() == ref.stride()
+    return mine
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_op_equals_modules(device, activation, dtype, channels_last):
+    block = modules(dtype, device, activation, bias=activation == "relu")
+    x = torch.randn(4, 8, 12, 10, dtype=dtype, device=device)
+    if channels_last:
+        block = block.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    mine = compare(block, activation, x, device, exact=device == "cpu")
+    assert int(mine[1].num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(kernel=3, stride=2, padding=1),
+        dict(kernel=3, groups=8, padding=1),
+        dict(kernel=1, padding=0, bias=True),
+        dict(kernel=5, padding=2, dilation=1),
+        dict(kernel=3, padding=2, dilation=2),
+        dict(kernel=3, stride=(2, 1), padding=(1, 0)),
+    ],
+)
+def test_conv_shapes(device, conv):
+    block = modules(torch.float32, device, "relu6", **conv)
+    compare(block, "relu6", torch.randn(3, 8, 11, 13, device=device), device, exact=device == "cpu")
+
+
+@pytest.mark.parametrize("bn", [dict(affine=False), dict(track_running_stats=False), dict(momentum=0.3, eps=1e-3)])
+def test_batch_norm_variants(device, bn):
+    block = modules(torch.float32, device, "silu", **bn)
+    compare(block, "silu", torch.randn(2, 8, 9, 9, device=device), device, exact=device == "cpu")
+
+
+def test_gradcheck_float64():
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    b, g, beta = (torch.randn(4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    for activation in ACTIVATIONS:
+        # No running statistics: each call of gradcheck's would update them.
+        def fn(x, w, b, g, beta, activation=activation):
+            return opforge.conv2d_batch_norm(x, w, b, g, beta, None, None, padding=1, activation=activation)
+
+        assert torch.autograd.gradcheck(fn, (x, w, b, g, beta))
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu", None])
+def test_opcheck(device, activation):
+    """Schema (the running statistics' mutation), autograd registration, fake tensors, AOT dispatch."""
+    x = torch.randn(2, 3, 6, 6, device=device, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, device=device, requires_grad=True)
+    g, b = (torch.randn(4, device=device, requires_grad=True) for _ in range(2))
+    stats = (torch.zeros(4, device=device), torch.ones(4, device=device), torch.tensor(0, device=device))
+    args = (x, w, None, g, b, *stats, [1, 1], [1, 1], [1, 1], 1, 0.1, 1e-5, activation)
+    torch.library.opcheck(torch.ops.opforge.conv2d_batch_norm.default, args)
+
+
+def test_without_graph_updates_statistics():
+    block = modules(torch.float32, "cpu", "relu")
+    x = torch.randn(4, 8, 6, 6)
+    ref = copy.deepcopy(block)
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            out = call_op(block, x, "relu")
+            expected = ref(x)
+        assert torch.equal(out, expected)
+        assert torch.equal(block[1].running_mean, ref[1].running_mean)
+        assert torch.equal(block[1].num_batches_tracked, ref[1].num_batches_tracked)
+
+
+def test_empty_batch_matches_modules():
+    block = modules(torch.float32, "cpu", "relu")
+    x = torch.randn(0, 8, 6, 6)
+    ref = copy.deepcopy(block)
+    assert torch.equal(call_op(block, x, "relu"), ref(x))
+    assert torch.equal(block[1].running_mean, ref[1].running_mean)
+
+
+def test_bad_arguments_name_them():
+    block = modules(torch.float32, "cpu", "relu")
+    conv, bn = block[0], block[1]
+    x = torch.randn(2, 8, 6, 6)
+    op = opforge.conv2d_batch_norm
+    with pytest.raises(RuntimeError, match="x must be a 4-d"):
+        op(x[0], conv.weight, None, bn.weight, bn.bias, bn.running_mean, bn.running_var, padding=1)
+    with pytest.raises(TypeError, match="same dtype"):
+        op(x.double(), conv.weight, None, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+    with pytest.raises(RuntimeError, match="bn_weight must have shape \\[16\\]"):
+        op(x, conv.weight, None, bn.weight[:3], bn.bias, bn.running_mean, bn.running_var)
+    with pytest.raises(ValueError, match="running_mean and running_var"):
+        op(x, conv.weight, None, bn.weight, bn.bias, bn.running_mean, None)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        op(x[:1, :, :3, :3], conv.weight, None, bn.weight, bn.bias, None, None)
+    with pytest.raises(ValueError, match="activation must be"):
+        op(x, conv.weight, None, bn.weight, bn.bias, None, None, activation="gelu")
+    with pytest.raises(ValueError, match="stride must be an int or a pair"):
+        op(x, conv.weight, None, bn.weight, bn.bias, None, None, stride=[1, 1, 1])
+
+
+# ------------------------------------------------------------------ optimize in training mode
+
+
+def train_model(name, device="cpu"):
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(num_classes=10)
+    with torch.no_grad():
+        randomize_batchnorm(model)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model.to(device).train()
+
+
+def step(model, x):
+    """One SGD step; returns the loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_large", "resnet18"])
+def test_optimize_training_step_equals_original(name):
+    model = train_model(name)
+    x = torch.randn(2, 3, 64, 64)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    fused = [m for m in fast.modules() if isinstance(m, opforge.nn.ConvBatchNorm2d)]
+    chains = sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert len(fused) == chains  # every BatchNorm of these models follows a conv
+    assert sum("as one op" in layer.action for layer in report.layers) == len(fused)
+    # The timing on example_inputs leaves no gradient behind, and names are the original's.
+    assert all(p.grad is None for p in fast.parameters())
+    assert list(fast.state_dict()) == list(model.state_dict())
+    for _ in range(2):
+        assert torch.equal(step(fast, x), step(model, x))
+    for (k, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_optimized_training_model_evaluates_as_original():
+    model = train_model("mobilenet_v2")
+    x = torch.randn(2, 3, 64, 64)
+    fast = opforge.optimize(model)
+    step(fast, x)
+    step(model, x)
+    fast.eval()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(fast(x), model(x))
+    fast.train()
+    fast.load_state_dict(model.state_dict())
+
+
+def test_optimized_training_model_copies_saves_and_compiles():
+    model = train_model("resnet18")
+    x = torch.randn(2, 3, 32, 32)
+    fast = opforge.optimize(model)
+    copied = copy.deepcopy(fast)
+    buf = io.BytesIO()
+    torch.save(fast, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    # Each copy's conv reads its own copy's BatchNorm.
+    assert copied.bn1 is copied.conv1.batch_norm and loaded.bn1 is loaded.conv1.batch_norm
+    expected = step(model, x)
+    for m in (copied, loaded):
+        assert torch.equal(step(m, x), expected)
+    compiled = torch.compile(opforge.optimize(train_model("resnet18")), fullgraph=True)
+    torch.testing.assert_close(step(compiled, x), expected, rtol=1e-4, atol=1e-6)
+    wide = opforge.optimize(train_model("resnet18")).to(torch.float64)
+    assert wide.conv1.batch_norm.running_mean.dtype == torch.float64
+    step(wide, x.double())
+
+
+def test_left_alone_in_training():
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")
+    cumulative = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4, momentum=None))
+    for block, why in [
+        (torch.nn.Sequential(conv, torch.nn.BatchNorm2d(4), torch.nn.ReLU()), "padding_mode"),
+        (cumulative, "momentum=None"),
+    ]:
+        fast, report = opforge.optimize(block.train(), report=True)
+        assert type(fast[0]) is torch.nn.Conv2d and type(fast[1]) is torch.nn.BatchNorm2d
+        assert report.layers[0].action == "left" and why in report.layers[0].reason
+
+
+def test_optimizing_again_keeps_the_pair():
+    fast = opforge.optimize(train_model("mobilenet_v2"))
+    again = opforge.optimize(fast)
+    assert isinstance(again.features[0][0], opforge.nn.ConvBatchNorm2d)
+    assert again.features[0][0].batch_norm is again.features[0][1]
+    again.eval()
+    assert isinstance(opforge.optimize(again).features[0][0], opforge.nn.ConvBatchNorm2d)
+
+
+def test_autocast_runs_torch_path():
+    block = modules(torch.float32, "cpu", "relu")
+    fast = opforge.optimize(copy.deepcopy(block))
+    x = torch.randn(2, 8, 6, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = fast(x), block(x)
+    assert out.dtype == ref.dtype
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
+def test_optimize_training_step_cuda(name):
+    model = train_model(name, "cuda").to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    for _ in range(2):
+        torch.testing.assert_close(step(fast, x), step(model, x), rtol=1e-4, atol=1e-6)
+    for (k, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=k)
