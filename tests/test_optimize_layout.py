@@ -17,6 +17,20 @@ def timings(monkeypatch, inside_us: float, nchw_us: float):
     """Make the model-level timing say channels_last inside takes inside_us, NCHW nchw_us."""
     values = iter([inside_us, nchw_us])
     monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: next(values))
+    monkeypatch.setattr(optimize_layout, "_timings", {})  # no choice cached by an earlier test
+
+
+def test_the_choice_is_made_once_per_architecture(monkeypatch):
+    """Two optimize calls of one model take one decision, so their state dicts match."""
+    timings(monkeypatch, 5.0, 10.0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    first = opforge.optimize(model, example_inputs=(x,))
+    timings_now = dict(optimize_layout._timings)
+    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: pytest.fail("timed twice"))
+    second = opforge.optimize(model, example_inputs=(x,))
+    assert optimize_layout._timings == timings_now
+    second.load_state_dict(first.state_dict())
 
 
 def layouts_seen(model, x):
