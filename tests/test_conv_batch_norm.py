@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from reference import poisoned, randomize_batchnorm
+from reference import randomize_batchnorm
 
 import opforge
 
@@ -69,7 +69,9 @@ def compare(block, activation, x, device, exact):
             assert torch.equal(actual, expected)
         else:
             rtol = {torch.float32: 1e-4, torch.float64: 1e-10}.get(actual.dtype, 2e-2)
-            scale = expected.abs().max().item() + 1e-6
+            # A floor of 1 (the data's scale): a conv bias's gradient before a BatchNorm, or a running
+            # mean that starts at 0, is rounding noise around zero.
+            scale = max(expected.abs().max().item(), 1.0)
             torch.testing.assert_close(actual, expected, rtol=0, atol=rtol * scale)
     assert out.stride() == ref.stride()
     return mine
@@ -86,30 +88,6 @@ def test_op_equals_modules(device, activation, dtype, channels_last):
         x = x.contiguous(memory_format=torch.channels_last)
     mine = compare(block, activation, x, device, exact=device == "cpu")
     assert int(mine[1].num_batches_tracked) == 1
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("channels", [16, 40, 96])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("bn", [dict(), dict(affine=False), dict(track_running_stats=False), dict(float_params=True)])
-@pytest.mark.parametrize("activation", ["relu6", "hardswish", "silu"])
-def test_cuda_engine(channels, dtype, bn, activation):
-    """opforge's own CUDA batch norm (channels_last, half and float32): many row blocks, channel counts
-    that are not a multiple of the block's 32, BatchNorm parameters in float32 under a half input,
-    every output poisoned first."""
-    bn = dict(bn)
-    float_params = bn.pop("float_params", False)
-    conv = torch.nn.Conv2d(8, channels, 3, padding=1, bias=False)
-    block = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(channels, **bn), ACTIVATIONS[activation]())
-    with torch.no_grad():
-        if bn.get("affine", True) and bn.get("track_running_stats", True):
-            randomize_batchnorm(block)
-    block = block.cuda().train().to(memory_format=torch.channels_last)
-    block[0].to(dtype)
-    block[1].to(torch.float32 if float_params else dtype)
-    x = torch.randn(8, 8, 33, 31, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
-    with poisoned("cuda"):
-        compare(block, activation, x, "cuda", exact=False)
 
 
 @pytest.mark.parametrize(

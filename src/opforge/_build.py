@@ -76,7 +76,6 @@ SOURCES = extension.SourceSet(
         "csrc/cuda/conv_depthwise/conv_dw_grad_weight.cu",
         "csrc/cuda/conv_depthwise/conv_dw_fused.cu",
         "csrc/cuda/conv_bias_grad.cu",
-        "csrc/cuda/batch_norm_act.cu",
         "csrc/cuda/conv_dense_mma.cu",
         "csrc/cuda/conv_pointwise_cuda.cpp",
     ],
