@@ -17,6 +17,16 @@ from .ops.conv import TORCH_ACTIVATIONS
 from .ops.conv_batch_norm import conv2d_batch_norm
 
 
+def _recast(module: torch.nn.Module, cls: type) -> torch.nn.Module:
+    """A ``cls`` (a subclass of module's class) holding module's attributes, parameters and buffers:
+    the same tensors under the same names, in registries of its own."""
+    out = cls.__new__(cls)
+    out.__dict__.update(module.__dict__)
+    for store in ("_parameters", "_buffers", "_modules"):
+        out.__dict__[store] = dict(module.__dict__[store])
+    return out
+
+
 class BatchNormInConv(torch.nn.BatchNorm2d):
     """A ``BatchNorm2d`` applied by the :class:`ConvBatchNorm2d` before it: its forward is the identity.
 
@@ -26,11 +36,7 @@ class BatchNormInConv(torch.nn.BatchNorm2d):
     @classmethod
     def of(cls, bn: torch.nn.BatchNorm2d) -> BatchNormInConv:
         """``bn``'s parameters and buffers (the same tensors) in a module of this class."""
-        out = cls.__new__(cls)
-        out.__dict__.update(bn.__dict__)
-        for store in ("_parameters", "_buffers", "_modules"):
-            out.__dict__[store] = dict(bn.__dict__[store])
-        return out
+        return _recast(bn, cls)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -75,10 +81,7 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
                 "ConvBatchNorm2d.of: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', "
                 f"got {activation!r}"
             )
-        out = cls.__new__(cls)
-        out.__dict__.update(conv.__dict__)
-        for store in ("_parameters", "_buffers", "_modules"):
-            out.__dict__[store] = dict(conv.__dict__[store])
+        out = _recast(conv, cls)
         out.activation = activation
         # Not a submodule: the BatchNorm is registered where it was, so its state keeps its names.
         object.__setattr__(out, "batch_norm", batch_norm)
