@@ -11,6 +11,7 @@
 
 #include <opforge/ops.h>
 
+#include "activation_aten.h"
 #include "conv.h"
 #include "cuda/conv_dense_mma.h"
 
@@ -55,39 +56,16 @@ at::Tensor relu_masked_grad(const at::Tensor& grad_out, const at::Tensor& result
   return at::threshold_backward(grad_out, result, 0);
 }
 
-void activation_inplace(at::Tensor& t, Activation act) {
-  switch (act) {
-    case Activation::Relu:
-      t.relu_();
-      break;
-    case Activation::Relu6:
-      at::hardtanh_(t, 0, 6);
-      break;
-    case Activation::Hardswish:
-      at::hardswish_(t);
-      break;
-    case Activation::Silu:
-      at::silu_(t);
-      break;
-    default:
-      break;
-  }
-}
+void activation_inplace(at::Tensor& t, Activation act) { activation_inplace_aten(t, act); }
 
 std::pair<at::Tensor, std::optional<at::Tensor>> grad_through_activation(const at::Tensor& grad_out,
                                                                          const std::optional<at::Tensor>& result,
                                                                          std::string_view activation) {
   if (!result.has_value() || !result->defined()) return {grad_out, std::nullopt};
-  switch (parse_activation(kBwdOp, activation)) {
-    case Activation::Relu:
-      return {grad_out, result};
-    case Activation::Relu6:  // y = clamp(z, 0, 6): 0 < y < 6 exactly where 0 < z < 6
-      return {at::hardtanh_backward(grad_out, *result, 0, 6), std::nullopt};
-    case Activation::Hardswish:
-      return {at::hardswish_backward(grad_out, *result), std::nullopt};
-    default:
-      return {at::silu_backward(grad_out, *result), std::nullopt};
-  }
+  const Activation act = parse_activation(kBwdOp, activation);
+  // The kernels apply a ReLU's mask themselves as they read grad_out.
+  if (act == Activation::Relu) return {grad_out, result};
+  return {activation_backward(grad_out, act, *result), std::nullopt};
 }
 
 // The backward through ATen's convolution_backward on the (masked) gradient;

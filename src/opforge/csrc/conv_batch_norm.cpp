@@ -19,6 +19,7 @@
 #include <opforge/checks.h>
 
 #include "activation.h"
+#include "activation_aten.h"
 
 namespace {
 
@@ -121,24 +122,13 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
   std::tie(normed, r.save_mean, r.save_invstd, r.reserve, r.impl_index) =
       at::_batch_norm_impl_index(r.conv_out, bn_weight, bn_bias, running_mean, running_var, /*training=*/true, momentum,
                                  eps, at::globalContext().userEnabledCuDNN());
-  switch (act) {
-    case Activation::None:
-      r.out = normed;
-      break;
-    case Activation::Relu:
-      r.out = normed.relu_();
-      break;
-    case Activation::Relu6:
-      r.out = at::hardtanh_(normed, 0, 6);
-      break;
-    case Activation::Hardswish:
-      if (keep_pre_act) r.pre_act = normed;
-      r.out = keep_pre_act ? at::hardswish(normed) : at::hardswish_(normed);
-      break;
-    case Activation::Silu:
-      if (keep_pre_act) r.pre_act = normed;
-      r.out = keep_pre_act ? at::silu(normed) : at::silu_(normed);
-      break;
+  if (keep_pre_act && !opforge::derivative_from_output(act) && act != Activation::None) {
+    // The derivative reads the pre-activation: the activation writes a tensor of its own.
+    r.pre_act = normed;
+    r.out = act == Activation::Silu ? at::silu(normed) : at::hardswish(normed);
+  } else {
+    opforge::activation_inplace_aten(normed, act);
+    r.out = normed;
   }
   return r;
 }
@@ -160,32 +150,13 @@ at::Tensor conv2d_batch_norm_kernel(const at::Tensor& x, const at::Tensor& w, co
       .out;
 }
 
-// The activation's derivative, read from what the forward kept: the output
-// for relu and relu6 (0 < y (< 6) exactly where 0 < z (< 6)), the
-// pre-activation for hardswish and silu.
-at::Tensor grad_through_activation(const at::Tensor& grad, Activation act, const at::Tensor& out,
-                                   const at::Tensor& pre_act) {
-  switch (act) {
-    case Activation::Relu:
-      return at::threshold_backward(grad, out, 0);
-    case Activation::Relu6:
-      return at::hardtanh_backward(grad, out, 0, 6);
-    case Activation::Hardswish:
-      return at::hardswish_backward(grad, pre_act);
-    case Activation::Silu:
-      return at::silu_backward(grad, pre_act);
-    default:
-      return grad;
-  }
-}
-
 // The activation's and the batch norm's backward, on the engine ATen's forward ran.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward(
     const at::Tensor& grad_out, Activation act, const at::Tensor& kept, const at::Tensor& conv_out,
     const at::Tensor& bn_weight, const at::Tensor& running_mean, const at::Tensor& running_var,
     const at::Tensor& save_mean, const at::Tensor& save_invstd, const at::Tensor& reserve, int64_t engine, double eps,
     std::array<bool, 3> mask) {
-  const at::Tensor grad = grad_through_activation(grad_out, act, kept, kept);
+  const at::Tensor grad = opforge::activation_backward(grad_out, act, kept);
   // ATen's engines called by name where they can be: their shape functions trace with symbolic
   // sizes, which the by-index dispatcher's empty-batch test does not.
   if (conv_out.sym_numel() != 0 && engine == 0) {
