@@ -78,6 +78,7 @@ SOURCES = extension.SourceSet(
         "csrc/cuda/conv_bias_grad.cu",
         "csrc/cuda/conv_dense_mma.cu",
         "csrc/cuda/conv_pointwise_cuda.cpp",
+        "csrc/cuda/batch_norm_act.cu",
     ],
     include_dirs=["csrc"],
 )

@@ -3,8 +3,11 @@
 // run (ATen's convolution, its batch norm with batch statistics and the
 // running-statistics update, the activation in place), so values, gradients
 // and running statistics equal theirs; what it removes is the host work of
-// three module calls and three autograd nodes. Schema, checks, kernel and
-// autograd live here: the op has no device-specific code.
+// three module calls and three autograd nodes. On CUDA, a channels_last conv
+// output goes to opforge's own batch norm + activation engine instead
+// (cuda/batch_norm_act.cu: three launches each way, the activation and its
+// derivative inside the batch norm's passes). Schema, checks, kernel and
+// autograd live here.
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <torch/library.h>
@@ -20,6 +23,9 @@
 
 #include "activation.h"
 #include "activation_aten.h"
+#ifdef OPFORGE_WITH_CUDA
+#include "cuda/batch_norm_act.h"
+#endif
 
 namespace {
 
@@ -28,6 +34,8 @@ using opforge::autograd::Context;
 using opforge::autograd::Tensors;
 
 constexpr const char* kOp = "opforge.conv2d_batch_norm";
+// impl_index of opforge's own CUDA engine (ATen's are 0 native, 1 cuDNN, 2 MIOpen).
+constexpr int64_t kOwnEngine = -1;
 
 using Optional = std::optional<at::Tensor>;
 
@@ -93,7 +101,7 @@ struct ForwardResult {
   at::Tensor pre_act;    // bn(conv(x)) where the activation's derivative needs it (hardswish, silu)
   at::Tensor save_mean;  // the batch statistics and the engine's reserve, as ATen's backward takes them
   at::Tensor save_invstd;
-  at::Tensor reserve;
+  at::Tensor reserve;  // opforge's own engine: its (4, C) stats table
   int64_t impl_index = 0;
 };
 
@@ -118,6 +126,14 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
                       opforge::shape(r.conv_out.sym_sizes()));
   }
   if (num_batches_tracked.defined() && running_mean.defined()) num_batches_tracked.add_(1);
+#ifdef OPFORGE_WITH_CUDA
+  if (opforge::batch_norm::cuda_engine_takes(r.conv_out, bn_weight, bn_bias, running_mean)) {
+    std::tie(r.out, r.reserve) = opforge::batch_norm::cuda_forward(r.conv_out, bn_weight, bn_bias, running_mean,
+                                                                   running_var, momentum, eps, act);
+    r.impl_index = kOwnEngine;
+    return r;
+  }
+#endif
   at::Tensor normed;
   std::tie(normed, r.save_mean, r.save_invstd, r.reserve, r.impl_index) =
       at::_batch_norm_impl_index(r.conv_out, bn_weight, bn_bias, running_mean, running_var, /*training=*/true, momentum,
@@ -150,12 +166,17 @@ at::Tensor conv2d_batch_norm_kernel(const at::Tensor& x, const at::Tensor& w, co
       .out;
 }
 
-// The activation's and the batch norm's backward, on the engine ATen's forward ran.
+// The activation's and the batch norm's backward, on the engine the forward ran.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward(
     const at::Tensor& grad_out, Activation act, const at::Tensor& kept, const at::Tensor& conv_out,
-    const at::Tensor& bn_weight, const at::Tensor& running_mean, const at::Tensor& running_var,
-    const at::Tensor& save_mean, const at::Tensor& save_invstd, const at::Tensor& reserve, int64_t engine, double eps,
-    std::array<bool, 3> mask) {
+    const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& running_mean,
+    const at::Tensor& running_var, const at::Tensor& save_mean, const at::Tensor& save_invstd,
+    const at::Tensor& reserve, int64_t engine, double eps, std::array<bool, 3> mask) {
+#ifdef OPFORGE_WITH_CUDA
+  if (engine == kOwnEngine) {
+    return opforge::batch_norm::cuda_backward(grad_out, conv_out, bn_weight, bn_bias, reserve, act, mask);
+  }
+#endif
   const at::Tensor grad = opforge::activation_backward(grad_out, act, kept);
   // ATen's engines called by name where they can be: their shape functions trace with symbolic
   // sizes, which the by-index dispatcher's empty-batch test does not.
@@ -207,8 +228,10 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["act"] = static_cast<int64_t>(act);
     const bool from_output = opforge::derivative_from_output(act);
+    // The own engine recomputes the pre-activation from conv_out: it keeps neither.
+    const at::Tensor kept = r.impl_index == kOwnEngine ? at::Tensor() : (from_output ? r.out : r.pre_act);
     ctx->save_for_backward({x, w, r.conv_out, bn_weight, running_mean, running_var, r.save_mean, r.save_invstd,
-                            r.reserve, from_output ? r.out : r.pre_act});
+                            r.reserve, kept, value_or_undefined(bn_bias_arg)});
     return r.out;
   }
 
@@ -220,7 +243,8 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     const auto act = static_cast<Activation>(ctx->saved_data["act"].toInt());
     const Tensors s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &w = s[1], &conv_out = s[2], &bn_weight = s[3], &running_mean = s[4],
-                     &running_var = s[5], &save_mean = s[6], &save_invstd = s[7], &reserve = s[8], &kept = s[9];
+                     &running_var = s[5], &save_mean = s[6], &save_invstd = s[7], &reserve = s[8], &kept = s[9],
+                     &bn_bias = s[10];
     const int64_t given = g[8] | (int64_t{1} << kX) | (int64_t{1} << kW);
     auto needs = [&](int input) {
       if (!(given & (int64_t{1} << input))) return false;
@@ -232,8 +256,8 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     const std::array<bool, 3> bn_mask{conv_needed, needs(kBnWeight), needs(kBnBias)};
     if (!(bn_mask[0] || bn_mask[1] || bn_mask[2])) return out;
     auto [g_conv, g_bn_w, g_bn_b] =
-        batch_norm_backward(grads[0], act, kept, conv_out, bn_weight, running_mean, running_var, save_mean, save_invstd,
-                            reserve, g[7], eps, bn_mask);
+        batch_norm_backward(grads[0], act, kept, conv_out, bn_weight, bn_bias, running_mean, running_var, save_mean,
+                            save_invstd, reserve, g[7], eps, bn_mask);
     if (bn_mask[1]) out[kBnWeight] = std::move(g_bn_w);
     if (bn_mask[2]) out[kBnBias] = std::move(g_bn_b);
     if (!conv_needed) return out;
