@@ -10,12 +10,15 @@ momentum, eps, activation)`` equals::
     num_batches_tracked += 1      # when given, with running statistics
     activation(y)                 # None, "relu", "relu6", "hardswish", "silu"
 
-on ATen's own kernels (cuDNN's convolution and batch norm on CUDA), so the
-output, the gradients and the updated running statistics are exactly those
-of ``nn.Conv2d``, ``nn.BatchNorm2d`` in training mode and the activation
-module. What it saves is host time: one op call and one autograd node
-instead of three modules, three calls and three nodes; relu and relu6 run in
-place on the batch norm's output, whose value their derivative reads.
+with ATen's convolution. The batch norm and the activation run on ATen's
+kernels (then the output, the gradients and the updated running statistics
+are exactly those of ``nn.Conv2d``, ``nn.BatchNorm2d`` in training mode and
+the activation module), except for a channels_last CUDA conv output, which
+goes to opforge's own batch norm + activation engine: three launches each
+way, the activation and its derivative inside the batch norm's passes,
+values within a rounding of the modules'. What it saves is host time (one
+op call and one autograd node instead of three modules, three calls and
+three nodes) and, on the own engine, the activation's passes over memory.
 
 - ``x`` (N, C, H, W), ``weight`` (K, C / groups, kH, kW), both of one dtype;
   ``bias``, ``bn_weight``, ``bn_bias``, ``running_mean``, ``running_var``

@@ -42,9 +42,9 @@ constexpr int kMergeLanes = 32;
 // Rows of the (stats) table: per channel mean, 1 / std, scale and the shift beta.
 enum Stat : int { kMean, kInvstd, kScale, kBeta, kStats };
 
-constexpr int kMaxLanes = 32;        // a warp across one row's chunk: 512 contiguous bytes
-constexpr int kMaxPartials = 256;    // row blocks of a reduction: what one merge thread sums, times 32
-constexpr int kPartialShare = 8;     // a reduction's partials: at most 1/8 of the bytes it reads
+constexpr int kMaxLanes = 32;      // a warp across one row's chunk: 512 contiguous bytes
+constexpr int kMaxPartials = 256;  // row blocks of a reduction: what one merge thread sums, times 32
+constexpr int kPartialShare = 8;   // a reduction's partials: at most 1/8 of the bytes it reads
 
 struct Tiling {
   int64_t rows;
@@ -138,7 +138,8 @@ __device__ inline float rounded(float v) {
 }
 
 template <typename T, int V>
-__global__ void stats_partial(const T* __restrict__ y, int64_t rows, int C, int lanes, int R, float* __restrict__ part) {
+__global__ void stats_partial(const T* __restrict__ y, int64_t rows, int C, int lanes, int R,
+                              float* __restrict__ part) {
   extern __shared__ float sh[];
   const int vecs = C / V;
   const Place p = place(lanes, vecs);
@@ -468,10 +469,9 @@ std::tuple<at::Tensor, at::Tensor> cuda_forward(const at::Tensor& y, const at::T
     with_param_type(param_type({&weight, &bias, &running_mean}), [&](auto w) {
       using W = decltype(w);
       stats_merge<T, W><<<merge_grid(C), kMergeBlock, 0, stream>>>(
-          part.data_ptr<float>(), reduce.row_blocks, C, rows, yp, static_cast<float>(eps),
-          static_cast<float>(momentum), ptr_or_null<const W>(weight), ptr_or_null<const W>(bias),
-          update ? ptr_or_null<W>(running_mean) : nullptr, update ? ptr_or_null<W>(running_var) : nullptr,
-          stats.data_ptr<float>());
+          part.data_ptr<float>(), reduce.row_blocks, C, rows, yp, static_cast<float>(eps), static_cast<float>(momentum),
+          ptr_or_null<const W>(weight), ptr_or_null<const W>(bias), update ? ptr_or_null<W>(running_mean) : nullptr,
+          update ? ptr_or_null<W>(running_var) : nullptr, stats.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     normalize<T, kV><<<pointwise.grid(), pointwise.threads(), 0, stream>>>(
@@ -509,8 +509,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(const at::Tensor& g
     const T* gp = static_cast<const T*>(grad.data_ptr());
     const T* yp = static_cast<const T*>(y.data_ptr());
     const size_t shared = sizeof(float) * 2 * kV * reduce.threads();
-    grad_partial<T, kV><<<reduce.grid(), reduce.threads(), shared, stream>>>(gp, yp, rows, C, reduce.lanes, reduce.R,
-                                                                             st, act, part);
+    grad_partial<T, kV>
+        <<<reduce.grid(), reduce.threads(), shared, stream>>>(gp, yp, rows, C, reduce.lanes, reduce.R, st, act, part);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     with_param_type(param_dtype, [&](auto w) {
       using W = decltype(w);
