@@ -131,6 +131,21 @@ __device__ inline void reduce_row_lanes(float (&acc)[N], float* sh, int lanes, i
   for (int k = 0; k < N; ++k) acc[k] = sh[k * B + tid];
 }
 
+// Sums acc (two sums per channel: acc[0, V) and acc[V, 2V)) over the block's row lanes and
+// writes them as the block's partials, part laid out (row block, 2, C).
+template <int V>
+__device__ inline void block_partials(float (&acc)[2 * V], float* sh, const Place& p, int C, int lanes, int R,
+                                      float* __restrict__ part) {
+  reduce_row_lanes(acc, sh, lanes, R);
+  if (p.row_lane != 0 || !p.active) return;
+  float* out = part + int64_t{blockIdx.x} * 2 * C + int64_t{p.vec} * V;
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    out[v] = acc[v];
+    out[C + v] = acc[V + v];
+  }
+}
+
 // The value as torch's modules hold it: rounded to the tensor's dtype.
 template <typename T>
 __device__ inline float rounded(float v) {
@@ -161,14 +176,7 @@ __global__ void stats_partial(const T* __restrict__ y, int64_t rows, int C, int 
           }
         });
   }
-  reduce_row_lanes(acc, sh, lanes, R);
-  if (p.row_lane != 0 || !p.active) return;
-  float* out = part + int64_t{blockIdx.x} * 2 * C + int64_t{p.vec} * V;
-#pragma unroll
-  for (int v = 0; v < V; ++v) {
-    out[v] = acc[v];
-    out[C + v] = acc[V + v];
-  }
+  block_partials<V>(acc, sh, p, C, lanes, R, part);
 }
 
 // Per channel c, the sums of the partials' two rows (s0, s1), merged in a fixed order.
@@ -311,14 +319,7 @@ __global__ void grad_partial(const T* __restrict__ grad, const T* __restrict__ y
           }
         });
   }
-  reduce_row_lanes(acc, sh, lanes, R);
-  if (p.row_lane != 0 || !p.active) return;
-  float* out = part + int64_t{blockIdx.x} * 2 * C + int64_t{p.vec} * V;
-#pragma unroll
-  for (int v = 0; v < V; ++v) {
-    out[v] = acc[v];
-    out[C + v] = acc[V + v];
-  }
+  block_partials<V>(acc, sh, p, C, lanes, R, part);
 }
 
 // Per channel: grad weight and bias, and the terms of
