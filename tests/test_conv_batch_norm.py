@@ -382,8 +382,8 @@ def test_optimize_training_step_cuda(name, monkeypatch):
     pre-activations sit within an ulp of relu6's jumps at 0 and 6, where an ulp apart flips that
     element's derivative (test_cuda_engine checks each layer elementwise away from the jumps); one
     flip can move an early layer's weight gradient by up to about a hundredth of its norm (one element
-    of the last layer's 20 000 or so, by estimate), a wrong term in a backward by far more. Full float32 convs (TF32 would turn an ulp apart into 1e-3) and
-    deterministic cuDNN algorithms."""
+    of the last layer's 20 000 or so, by estimate), a wrong term in a backward by far more. Full
+    float32 convs (TF32 would turn an ulp apart into 1e-3) and deterministic cuDNN algorithms."""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
