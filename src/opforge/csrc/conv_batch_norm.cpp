@@ -1,13 +1,13 @@
 // conv2d_batch_norm: a training-mode Conv2d -> BatchNorm2d -> activation as
-// one op, with one autograd node. It runs the kernels torch's three modules
-// run (ATen's convolution, its batch norm with batch statistics and the
-// running-statistics update, the activation in place), so values, gradients
-// and running statistics equal theirs; what it removes is the host work of
-// three module calls and three autograd nodes. On CUDA, a channels_last conv
-// output goes to opforge's own batch norm + activation engine instead
+// one op, with one autograd node, removing the host work of three module
+// calls and three autograd nodes. The convolution is ATen's. A channels_last
+// CUDA conv output goes to opforge's own batch norm + activation engine
 // (cuda/batch_norm_act.cu: three launches each way, the activation and its
-// derivative inside the batch norm's passes). Schema, checks, kernel and
-// autograd live here.
+// derivative inside the batch norm's passes; values within a rounding of
+// the modules'). Everywhere else the op runs the kernels torch's modules run
+// (ATen's batch norm with the running-statistics update, the activation in
+// place), so values, gradients and running statistics equal theirs. Schema,
+// checks, kernel and autograd live here.
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <torch/library.h>
