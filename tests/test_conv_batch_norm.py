@@ -323,8 +323,10 @@ def test_optimized_training_model_evaluates_as_original():
 
 
 def test_optimized_training_model_copies_saves_and_compiles():
+    """64x64: at 32x32 layer4's training BatchNorm normalizes two values per channel (batch 2, 1x1),
+    where the loss moves by up to 2% between any two roundings (torch.compile of the original too)."""
     model = train_model("resnet18")
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, 64, 64)
     fast = opforge.optimize(model)
     copied = copy.deepcopy(fast)
     buf = io.BytesIO()
@@ -377,29 +379,36 @@ def test_autocast_runs_torch_path():
 @pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
 def test_optimize_training_step_cuda(name, monkeypatch):
     """A forward and backward of the optimized model (channels_last: opforge's own batch norm engine,
-    which rounds apart from ATen's) against the original's: the loss and the running statistics at
-    float32's tolerance, every parameter's gradient within 1% in norm. Across some 50 layers a few
-    pre-activations sit within an ulp of relu6's jumps at 0 and 6, where an ulp apart flips that
-    element's derivative (test_cuda_engine checks each layer elementwise away from the jumps); one
-    flip can move an early layer's weight gradient by up to about a hundredth of its norm (one element
-    of the last layer's 20 000 or so, by estimate), a wrong term in a backward by far more. Full
-    float32 convs (TF32 would turn an ulp apart into 1e-3) and deterministic cuDNN algorithms."""
+    which rounds apart from ATen's) and of the original, both float32, against the original in
+    float64. Each gradient's error must be of the original's own float32 error: within 4x of it, plus
+    0.2% of the gradient's norm. The slack covers what float32 cannot decide: pre-activations within
+    an ulp of relu6's jumps, where an ulp apart flips that element's derivative (test_cuda_engine
+    checks each layer elementwise away from the jumps), and gradients that are zero in exact
+    arithmetic (a bias whose BatchNorm feeds another training BatchNorm), left as rounding noise.
+    A wrong term in a backward is off by far more. Full float32 convs (no TF32) and deterministic
+    cuDNN algorithms."""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model = train_model(name, "cuda").to(memory_format=torch.channels_last)
+    exact = copy.deepcopy(model).double()
     x = torch.randn(4, 3, 64, 64, device="cuda").contiguous(memory_format=torch.channels_last)
     fast = opforge.optimize(model, example_inputs=(x,))
-    assert any(isinstance(m, opforge.nn.ConvBatchNorm2d) for m in fast.modules())
+    assert any(isinstance(m, opforge.nn.ConvBatchNorm2d) and m.activation for m in fast.modules())
     losses = []
-    for m in (fast, model):
-        loss = m(x).square().mean()
+    for m, xm in ((fast, x), (model, x), (exact, x.double())):
+        loss = m(xm).square().mean()
         loss.backward()
-        losses.append(loss.detach())
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
-    expected = dict(model.named_parameters())
+        losses.append(loss.detach().double())
+    torch.testing.assert_close(losses[0], losses[2], rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses[1], losses[2], rtol=1e-5, atol=0)
+    eager, truth = dict(model.named_parameters()), dict(exact.named_parameters())
     for k, p in fast.named_parameters():
-        error = (p.grad - expected[k].grad).norm() / expected[k].grad.norm().clamp_min(1e-30)
-        assert error <= 1e-2, f"{k}: gradient off by {error.item():.2e} of its norm"
-    for (k, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=k)
+        g = truth[k].grad
+        ours, theirs = (p.grad.double() - g).norm(), (eager[k].grad.double() - g).norm()
+        bound = 4 * theirs + 2e-3 * g.norm()
+        assert ours <= bound, f"{k}: gradient off by {ours:.2e}, torch's float32 by {theirs:.2e} (norm {g.norm():.2e})"
+    expected = exact.state_dict()
+    assert fast.state_dict().keys() == expected.keys()
+    for k, a in fast.state_dict().items():
+        torch.testing.assert_close(a, expected[k].to(a.dtype), rtol=1e-4, atol=1e-6, msg=k)

@@ -209,11 +209,45 @@ def test_channels_last_and_dtype_moves_after_optimize():
     torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
 
 
-def test_training_mode_blocks_are_left_as_they_are():
+def test_training_mode_blocks_unshare_activations_and_keep_their_tails():
+    """In training mode no tail is fused (its BatchNorm would fold); the shared ReLU gets a copy per
+    call, so that each block's conv1 -> bn1 -> relu is one conv2d_batch_norm with the ReLU in it."""
     model = torchvision.models.resnet18(num_classes=10).train()
-    fast = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),))
-    assert type(fast.layer1[0]) is type(model.layer1[0])
+    fast, report = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),), report=True)
     assert not any(isinstance(m, opforge.nn.ConvResidual) for m in fast.modules())
+    actions = {layer.conv: layer.action for layer in report.layers}
+    for block in ("layer1.0", "layer2.1", "layer4.0"):
+        assert actions[f"{block}.conv1"] == "conv + BatchNorm + ReLU as one op"
+        assert actions[f"{block}.conv2"] == "conv + BatchNorm as one op"
+    assert fast.training and fast.layer1[0].training
+    assert list(fast.state_dict()) == list(model.state_dict())
+
+
+class ModeReadingBlock(torch.nn.Module):
+    """A block whose forward reads ``self.training``: a trace would fix one mode's code."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.relu = torch.nn.ReLU()
+
+    def forward(self, x):
+        y = self.relu(self.bn(self.conv(x)))
+        y = self.relu(y + x)
+        return y * 0.5 if self.training else y
+
+
+def test_training_block_that_reads_its_mode_is_left():
+    model = torch.nn.Sequential(ModeReadingBlock(), ModeReadingBlock()).train()
+    x = torch.randn(2, 4, 8, 8)
+    fast = opforge.optimize(model, example_inputs=(x,))
+    assert all(type(b) is ModeReadingBlock for b in fast)
+    # Left as it is, it still switches: the eval outputs are the original's.
+    fast.eval()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x))
 
 
 class FunctionalBlock(torch.nn.Module):

@@ -2,14 +2,15 @@
 
 A block whose ``forward`` adds a shortcut (``relu(bn(conv(x)) + identity)``)
 or calls one activation module from several places (torchvision ResNet's
-``self.relu``) hides its patterns in code. Each eval-mode submodule that
-``torch.fx`` traces is rewritten as a ``torch.fx.GraphModule`` in which:
+``self.relu``) hides its patterns in code. Each submodule that ``torch.fx``
+traces (in training mode: to the same code in eval mode) is rewritten as a
+``torch.fx.GraphModule`` in which:
 
 - every call of a shared activation module that reads a conv or BatchNorm
   output gets its own copy of the module, so that the chain
   ``conv -> BatchNorm -> activation`` can fuse like any other;
-- every tail ``Conv2d [-> BatchNorm2d] -> add(shortcut) -> activation`` is
-  one :class:`opforge.nn.ConvResidual` call, the BatchNorm folded, that
+- every eval-mode tail ``Conv2d [-> BatchNorm2d] -> add(shortcut) -> activation``
+  is one :class:`opforge.nn.ConvResidual` call, the BatchNorm folded, that
   takes the conv's input and the shortcut.
 
 The parameters keep their names (``conv2.weight``); a folded BatchNorm's
@@ -50,19 +51,18 @@ class ResidualTail:
 
 
 def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
-    """Rewrite ``model``'s eval-mode blocks in place (see the module's docs); the tails made."""
+    """Rewrite ``model``'s blocks in place (see the module's docs); the tails made."""
     tails: list[ResidualTail] = []
     done: list[str] = []
     for name, block in list(model.named_modules()):
-        if not name or block.training or any(name.startswith(d + ".") for d in done):
+        if not name or any(name.startswith(d + ".") for d in done):
             continue
         if isinstance(block, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)):
             continue
         if type(block).__module__.startswith("torch.nn") or not any(True for _ in block.children()):
             continue  # torch's own layers, and leaves, have no block pattern
-        try:
-            graph = Tracer().trace(block)
-        except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
+        graph = _trace(block)
+        if graph is None:
             continue
         modules = dict(block.named_modules())
         block_tails = _fuse_residual_tails(graph, modules)
@@ -71,11 +71,31 @@ def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
             continue
         used = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}
         rewritten = torch.fx.GraphModule(_referenced(block, modules, used), graph, class_name=type(block).__name__)
-        rewritten.train(False)
+        rewritten.training = block.training  # the submodules are the block's own, in their own modes
         _set(model, name, rewritten)
         tails += [dataclasses.replace(t, name=f"{name}.{t.name}") for t in block_tails]
         done.append(name)
     return tails
+
+
+def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
+    """The block's graph; None where fx cannot trace it (control flow) or, in training mode, where it
+    traces to other code in eval mode (``self.training`` read in its forward): the graph is fixed at
+    trace time, and a training model is switched to eval for validation later."""
+    try:
+        graph = Tracer().trace(block)
+        if not block.training:
+            return graph
+        modes = [(m, m.training) for m in block.modules()]
+        try:
+            block.eval()
+            in_eval = Tracer().trace(block)
+        finally:
+            for m, training in modes:
+                m.training = training
+    except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
+        return None
+    return graph if str(graph) == str(in_eval) else None
 
 
 def _referenced(block: torch.nn.Module, modules: dict, used: set) -> dict:
