@@ -160,9 +160,8 @@ def test_empty_batch():
     assert fast._packed is not None and out.shape == (0, 6, 6, 6)
 
 
-def test_compile_traces_torchs_conv():
-    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1, activation="relu").eval()
-    x = torch.randn(1, 4, 8, 8)
+def _traced_ops(module, *args):
+    """The call_function targets torch.compile traces for ``module(*args)``, and the output."""
     graphs = []
 
     def capture(gm, example_inputs):
@@ -170,11 +169,50 @@ def test_compile_traces_torchs_conv():
         return gm.forward
 
     torch._dynamo.reset()
+    out = torch.compile(module, backend=capture, fullgraph=True)(*args)
+    return " ".join(str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"), out
+
+
+@needs_onednn
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compile_keeps_the_onednn_call_and_its_cache(channels_last):
+    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1, activation="relu").eval()
+    x = torch.randn(2, 4, 8, 8)
+    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
     with torch.no_grad():
-        out = torch.compile(fast, backend=capture, fullgraph=True)(x)
-        torch.testing.assert_close(out, F.relu(F.conv2d(x, fast.weight, fast.bias, 1, 1)))
-    traced = " ".join(str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function")
-    assert "conv2d" in traced and "mkldnn" not in traced, traced
+        traced, out = _traced_ops(fast, x)
+        expected = F.relu(F.conv2d(x, fast.weight, fast.bias, 1, 1))
+        assert "opforge.onednn_conv" in traced and "conv2d" not in traced, traced
+        torch.testing.assert_close(out, expected)
+        assert out.stride() == expected.stride()
+        assert fast._packed is not None  # the compiled call filled the layer's own cache
+        # A change to the weight after compiling is seen: the cache is keyed by its version.
+        compiled = torch.compile(fast, fullgraph=True)
+        compiled(x)
+        fast.weight.mul_(-1)
+        torch.testing.assert_close(compiled(x), F.relu(F.conv2d(x, fast.weight, fast.bias, 1, 1)))
+
+
+def test_compile_with_grad_and_export_trace_torchs_conv():
+    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1, activation="relu").eval()
+    x = torch.randn(1, 4, 8, 8)
+    traced, out = _traced_ops(fast, x)  # gradients recorded: the fused call has no backward
+    assert "conv2d" in traced and "onednn" not in traced, traced
+    with torch.no_grad():
+        exported = torch.export.export(fast, (x,))
+    ops = " ".join(str(n.target) for n in exported.graph.nodes if n.op == "call_function")
+    assert "conv2d" in ops and "onednn" not in ops, ops
+
+
+def test_copies_have_caches_of_their_own():
+    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1).eval()
+    copied = copy.deepcopy(fast)
+    assert copied._layer_id != fast._layer_id
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        copied.weight.add_(1.0)
+        for layer in (fast, copied):
+            torch.testing.assert_close(torch.compile(layer)(x), F.conv2d(x, layer.weight, layer.bias, 1, 1))
 
 
 def test_bad_arguments():

@@ -17,12 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import nn_prepacked_ops
+from .nn_prepacked_ops import POST_OPS, is_channels_last, pack
 from .ops.conv import TORCH_ACTIVATIONS
-
-# opforge's activation names -> oneDNN's post-op and its scalars.
-_POST_OPS = {None: ("none", []), "relu": ("relu", []), "relu6": ("hardtanh", [0.0, 6.0])}
-_POST_OPS.update({"hardswish": ("hardswish", []), "silu": ("swish", [])})
-
 
 # The dtypes cuDNN's fused convolution + bias + ReLU (and + add + ReLU) takes.
 CUDNN_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -35,17 +32,21 @@ def _pair(v, name: str) -> tuple[int, int]:
     return pair
 
 
+def _onednn_dtypes() -> frozenset:
+    if not torch.backends.mkldnn.is_available():
+        return frozenset()
+    dtypes = {torch.float32}
+    dtypes |= {torch.bfloat16} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set()
+    return frozenset(dtypes | ({torch.float16} if torch.ops.mkldnn._is_mkldnn_fp16_supported() else set()))
+
+
+# Asked once, at import: torch.compile then reads a constant where it traces a layer.
+_ONEDNN_DTYPES = _onednn_dtypes()
+
+
 def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether this build and CPU run oneDNN's convolution for ``dtype`` (the fast path)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return False
+    return dtype in _ONEDNN_DTYPES
 
 
 class PrepackedConv2d(torch.nn.Module):
@@ -58,9 +59,10 @@ class PrepackedConv2d(torch.nn.Module):
     ``"silu"``) as its post-op. On CUDA with ``"relu"`` (float32, float16,
     bfloat16, no gradient recorded) it is cuDNN's fused convolution + bias +
     ReLU, one call. Everywhere else (training, other activations on CUDA,
-    other dtypes, and while ``torch.compile`` or ``torch.export`` traces it,
-    where inductor fuses the activation itself) it is ``F.conv2d`` and the
-    activation. The parameters are ``weight`` and ``bias``, as in
+    other dtypes, CUDA while ``torch.compile`` traces it, where inductor
+    fuses the activation itself, and ``torch.export``) it is ``F.conv2d`` and
+    the activation. Under ``torch.compile`` the CPU path stays one opaque op,
+    ``opforge::onednn_conv`` (see ``opforge.nn_prepacked_ops``). The parameters are ``weight`` and ``bias``, as in
     ``nn.Conv2d``; the reordered copy is a cache, rebuilt when the weight is
     changed or moved (a change through ``.data`` needs ``invalidate()``), and
     never saved. The output has ``F.conv2d``'s memory format::
@@ -86,7 +88,7 @@ class PrepackedConv2d(torch.nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if activation not in _POST_OPS:
+        if (activation or "none") not in POST_OPS or activation == "none":
             raise ValueError(
                 f"PrepackedConv2d: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', got {activation!r}"
             )
@@ -101,6 +103,7 @@ class PrepackedConv2d(torch.nn.Module):
         self.groups, self.activation = groups, activation
         self.weight, self.bias = ref.weight, ref.bias
         self._packed, self._packed_for, self._packed_storage = None, None, None
+        self._layer_id = nn_prepacked_ops.register(self)
 
     @classmethod
     def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None) -> PrepackedConv2d:
@@ -122,10 +125,12 @@ class PrepackedConv2d(torch.nn.Module):
         return with_params_of(layer, conv)
 
     def _fast_path(self, x: torch.Tensor) -> bool:
-        if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dim() != 4:
+        if torch.compiler.is_exporting() or x.device.type != "cpu" or x.dim() != 4:
             return False
         if x.dtype != self.weight.dtype or not onednn_runs(x.dtype):
             return False
+        if torch.compiler.is_compiling():  # the op repacks an inference weight on each call
+            return not self._records_grad(x) and x.shape[1] == self.in_channels
         # An inference tensor has no version counter, so in-place changes to it could not be seen.
         return not self._records_grad(x) and x.shape[1] == self.in_channels and not self.weight.is_inference()
 
@@ -136,21 +141,29 @@ class PrepackedConv2d(torch.nn.Module):
 
     def _in_conv_format(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A oneDNN output in F.conv2d's memory format: channels_last when the input or the weight is."""
-        cl = _is_channels_last(x) or _is_channels_last(self.weight)
+        cl = is_channels_last(x) or is_channels_last(self.weight)
         return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
 
-    def _packed_weight(self, x: torch.Tensor) -> torch.Tensor:
+    def packed_weight(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight`` (default: the layer's) reordered for inputs shaped like ``x``, cached on the layer."""
+        w = self.weight if weight is None else weight
+        if w.is_inference():  # no version counter: a change could not be seen, so nothing is cached
+            return pack(w, x, self.stride, self.padding, self.dilation, self.groups)
         # The weight's storage (held, so that its address cannot be reused while cached), its
         # version (bumped by every in-place change), layout, and the input's per-sample shape, for
         # which oneDNN picked the blocked layout.
-        w = self.weight
         key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), w.stride(), tuple(x.shape[1:]))
         if self._packed_for != key:
-            self._packed = torch.ops.mkldnn._reorder_convolution_weight(
-                w.detach(), list(self.padding), list(self.stride), list(self.dilation), self.groups, list(x.shape)
-            )
+            self._packed = pack(w, x, self.stride, self.padding, self.dilation, self.groups)
             self._packed_for, self._packed_storage = key, w.untyped_storage()
         return self._packed
+
+    def _compiled_call(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The oneDNN call as torch.compile traces it: one opaque op that finds this layer's cache."""
+        return torch.ops.opforge.onednn_conv(
+            x, self.weight, self.bias, residual, self._layer_id, list(self.stride), list(self.padding),
+            list(self.dilation), self.groups, self.activation or "none",
+        )  # fmt: skip
 
     def invalidate(self) -> None:
         """Drop the reordered weight. Needed only after changing the weight through ``.data``,
@@ -171,9 +184,11 @@ class PrepackedConv2d(torch.nn.Module):
                 x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
             )
         if self._fast_path(x):
-            attr, scalars = _POST_OPS[self.activation]
+            if torch.compiler.is_compiling():
+                return self._compiled_call(x)
+            attr, scalars = POST_OPS[self.activation or "none"]
             y = torch.ops.mkldnn._convolution_pointwise(
-                x, self._packed_weight(x), self.bias, list(self.padding), list(self.stride), list(self.dilation),
+                x, self.packed_weight(x), self.bias, list(self.padding), list(self.stride), list(self.dilation),
                 self.groups, attr, scalars, "",
             )  # fmt: skip
             return self._in_conv_format(y, x)
@@ -186,6 +201,10 @@ class PrepackedConv2d(torch.nn.Module):
         state = self.__dict__.copy()
         state["_packed"], state["_packed_for"], state["_packed_storage"] = None, None, None
         return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._layer_id = nn_prepacked_ops.register(self)  # a copy has a cache, and so an id, of its own
 
     def extra_repr(self) -> str:
         return (
@@ -203,11 +222,6 @@ def with_params_of(layer: torch.nn.Module, conv: torch.nn.Conv2d) -> torch.nn.Mo
     if conv.bias is not None:
         layer.bias = torch.nn.Parameter(conv.bias.detach().clone(), conv.bias.requires_grad)
     return layer.train(conv.training)
-
-
-def _is_channels_last(t: torch.Tensor) -> bool:
-    """t's suggested memory format is channels_last (as ATen's suggest_memory_format decides)."""
-    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
 def explicit_padding(conv: torch.nn.Conv2d) -> tuple[int, int] | None:

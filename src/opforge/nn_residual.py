@@ -12,9 +12,10 @@ the conv, this layer runs the rest on one of four engines, picked by
   its post-ops and the weight reordered once (CPU inference).
 
 Where an engine cannot run the call (training, another device or dtype, a
-residual of another shape, or while ``torch.compile`` or ``torch.export``
+residual of another shape, ``torch.export``, or while ``torch.compile``
 traces the layer, where inductor fuses the add and activation itself) the
-layer computes the same thing with torch's ops.
+layer computes the same thing with torch's ops; under ``torch.compile`` the
+``"onednn"`` engine stays one opaque op (``opforge.nn_prepacked_ops``).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class ConvResidual(PrepackedConv2d):
 
     def _fused_call_fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """The fused engines take a residual of the conv output's shape, dtype and device, no graph."""
-        if torch.compiler.is_compiling() or x.dim() != 4 or residual.dim() != 4:
+        if torch.compiler.is_exporting() or x.dim() != 4 or residual.dim() != 4:
             return False
         if residual.dtype != x.dtype or residual.device != x.device or x.dtype != self.weight.dtype:
             return False
@@ -93,12 +94,15 @@ class ConvResidual(PrepackedConv2d):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         engine = self._engine
         if engine == "onednn" and self._fast_path(x) and self._fused_call_fits(x, residual):
+            if torch.compiler.is_compiling():
+                return self._compiled_call(x, residual)
             y = torch.ops.mkldnn._convolution_pointwise.binary(
-                x, residual, self._packed_weight(x), self.bias, list(self.padding), list(self.stride),
+                x, residual, self.packed_weight(x), self.bias, list(self.padding), list(self.stride),
                 list(self.dilation), self.groups, "add", None, self.activation, [], "",
             )  # fmt: skip
             return self._in_conv_format(y, x)
-        if engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and self._fused_call_fits(x, residual):
+        cudnn = engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and not torch.compiler.is_compiling()
+        if cudnn and self._fused_call_fits(x, residual):
             return torch.cudnn_convolution_add_relu(
                 x, self.weight, residual, 1.0, self.bias, self.stride, self.padding, self.dilation, self.groups
             )
