@@ -185,7 +185,7 @@ def test_compile_keeps_the_onednn_call_and_its_cache(channels_last):
         assert "opforge.onednn_conv" in traced and "conv2d" not in traced, traced
         torch.testing.assert_close(out, expected)
         assert out.stride() == expected.stride()
-        assert fast._packed is not None  # the compiled call filled the layer's own cache
+        assert fast._packed is not None  # the compiled call filled the weight's cache
         # A change to the weight after compiling is seen: the cache is keyed by its version.
         compiled = torch.compile(fast, fullgraph=True)
         compiled(x)
@@ -204,20 +204,70 @@ def test_compile_with_grad_and_export_trace_torchs_conv():
     assert "conv2d" in ops and "onednn" not in ops, ops
 
 
-def test_copies_have_caches_of_their_own():
-    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1).eval()
-    copied = copy.deepcopy(fast)
-    assert copied._layer_id != fast._layer_id
+@needs_onednn
+def test_compiled_layers_share_one_graph_and_pack_once(monkeypatch):
+    """Identical layers compiled one by one reuse one graph (nothing per layer is a constant in it),
+    and each weight is reordered once, not per call."""
+    from opforge import nn_prepacked_ops
+
+    packs = []
+    real_pack = nn_prepacked_ops.pack
+    monkeypatch.setattr(nn_prepacked_ops, "pack", lambda *a: packs.append(1) or real_pack(*a))
+    layers = [opforge.nn.PrepackedConv2d(4, 4, 3, padding=1, activation="relu").eval() for _ in range(12)]
     x = torch.randn(1, 4, 8, 8)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
     with torch.no_grad():
-        copied.weight.add_(1.0)
-        for layer in (fast, copied):
-            torch.testing.assert_close(torch.compile(layer)(x), F.conv2d(x, layer.weight, layer.bias, 1, 1))
+        for layer in layers:
+            compiled = torch.compile(layer, backend=counter)
+            for _ in range(3):
+                torch.testing.assert_close(compiled(x), F.relu(F.conv2d(x, layer.weight, layer.bias, 1, 1)))
+    assert counter.frame_count == 1
+    assert len(packs) == len(layers)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 3, 5, 5), (3, 8, 1, 1)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_onednn_op_meets_its_fake(shape, channels_last):
+    """torch.library.opcheck: the fake's shape and strides are the real output's, size-1 dims too."""
+    from opforge import nn_prepacked_ops  # noqa: F401 - defines the op
+
+    x = torch.randn(shape)
+    x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    w = torch.randn(4, shape[1], 1, 1)
+    for residual in (None, torch.randn(shape[0], 4, *shape[2:])):
+        args = (x, w, torch.randn(4), residual, [1, 1], [0, 0], [1, 1], 1, "relu")
+        torch.library.opcheck(torch.ops.opforge.onednn_conv.default, args, test_utils=("test_faketensor",))
+
+
+@needs_onednn
+def test_compiled_onednn_residual_tail():
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1).eval()
+    tail = opforge.nn.ConvResidual.from_conv(conv, activation="relu", engine="onednn")
+    x, r = torch.randn(2, 8, 6, 6), torch.randn(2, 8, 6, 6)
+    with torch.no_grad():
+        traced, out = _traced_ops(tail, x, r)
+        assert "opforge.onednn_conv" in traced, traced
+        torch.testing.assert_close(out, F.relu(conv(x) + r))
+        compiled = torch.compile(tail, fullgraph=True)
+        torch.testing.assert_close(compiled(x, r), F.relu(conv(x) + r))
+
+
+@needs_onednn
+def test_autocast_runs_torchs_conv():
+    fast = opforge.nn.PrepackedConv2d(4, 6, 3, padding=1, activation="relu").eval()
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager, compiled = fast(x), torch.compile(fast)(x)
+        expected = F.relu(F.conv2d(x, fast.weight, fast.bias, 1, 1))
+    assert eager.dtype == compiled.dtype == expected.dtype == torch.bfloat16
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="activation must be None, 'relu'"):
-        opforge.nn.PrepackedConv2d(4, 4, 3, activation="gelu")
+    for bad in ("gelu", "", "none"):
+        with pytest.raises(ValueError, match="activation must be None, 'relu'"):
+            opforge.nn.PrepackedConv2d(4, 4, 3, activation=bad)
     with pytest.raises(ValueError, match="padding must be an int or a pair"):
         opforge.nn.PrepackedConv2d(4, 4, 3, padding="same")
     with pytest.raises(TypeError, match="conv must be a torch.nn.Conv2d"):

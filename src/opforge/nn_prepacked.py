@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from . import nn_prepacked_ops
-from .nn_prepacked_ops import POST_OPS, is_channels_last, pack
+from .nn_prepacked_ops import POST_OPS, is_channels_last
 from .ops.conv import TORCH_ACTIVATIONS
 
 # The dtypes cuDNN's fused convolution + bias + ReLU (and + add + ReLU) takes.
@@ -88,7 +88,7 @@ class PrepackedConv2d(torch.nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if (activation or "none") not in POST_OPS or activation == "none":
+        if not (activation is None or (activation in POST_OPS and activation != "none")):
             raise ValueError(
                 f"PrepackedConv2d: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', got {activation!r}"
             )
@@ -102,8 +102,6 @@ class PrepackedConv2d(torch.nn.Module):
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, ref.kernel_size
         self.groups, self.activation = groups, activation
         self.weight, self.bias = ref.weight, ref.bias
-        self._packed, self._packed_for, self._packed_storage = None, None, None
-        self._layer_id = nn_prepacked_ops.register(self)
 
     @classmethod
     def from_conv(cls, conv: torch.nn.Conv2d, activation: str | None = None) -> PrepackedConv2d:
@@ -127,6 +125,8 @@ class PrepackedConv2d(torch.nn.Module):
     def _fast_path(self, x: torch.Tensor) -> bool:
         if torch.compiler.is_exporting() or x.device.type != "cpu" or x.dim() != 4:
             return False
+        if torch.is_autocast_enabled("cpu"):  # autocast picks the conv's dtype: torch's ops do that
+            return False
         if x.dtype != self.weight.dtype or not onednn_runs(x.dtype):
             return False
         if torch.compiler.is_compiling():  # the op repacks an inference weight on each call
@@ -144,35 +144,32 @@ class PrepackedConv2d(torch.nn.Module):
         cl = is_channels_last(x) or is_channels_last(self.weight)
         return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
 
-    def packed_weight(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """``weight`` (default: the layer's) reordered for inputs shaped like ``x``, cached on the layer."""
-        w = self.weight if weight is None else weight
-        if w.is_inference():  # no version counter: a change could not be seen, so nothing is cached
-            return pack(w, x, self.stride, self.padding, self.dilation, self.groups)
-        # The weight's storage (held, so that its address cannot be reused while cached), its
-        # version (bumped by every in-place change), layout, and the input's per-sample shape, for
-        # which oneDNN picked the blocked layout.
-        key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape), w.stride(), tuple(x.shape[1:]))
-        if self._packed_for != key:
-            self._packed = pack(w, x, self.stride, self.padding, self.dilation, self.groups)
-            self._packed_for, self._packed_storage = key, w.untyped_storage()
-        return self._packed
+    def packed_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight reordered for inputs shaped like ``x`` (cached, see ``opforge.nn_prepacked_ops``)."""
+        return nn_prepacked_ops.packed_weight(self.weight, x, self.stride, self.padding, self.dilation, self.groups)
+
+    @property
+    def _packed(self) -> torch.Tensor | None:
+        """The reordered weight cached for this layer's weight, if a oneDNN call made one."""
+        return nn_prepacked_ops.cached(self.weight)
 
     def _compiled_call(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The oneDNN call as torch.compile traces it: one opaque op that finds this layer's cache."""
+        """The oneDNN call as torch.compile traces it: one opaque op, which finds the weight's cache."""
         return torch.ops.opforge.onednn_conv(
-            x, self.weight, self.bias, residual, self._layer_id, list(self.stride), list(self.padding),
-            list(self.dilation), self.groups, self.activation or "none",
+            x, self.weight, self.bias, residual, list(self.stride), list(self.padding), list(self.dilation),
+            self.groups, self.activation or "none",
         )  # fmt: skip
 
     def invalidate(self) -> None:
         """Drop the reordered weight. Needed only after changing the weight through ``.data``,
         which bypasses the version counter; every other change is seen."""
-        self._packed, self._packed_for, self._packed_storage = None, None, None
+        nn_prepacked_ops.drop(self.weight)
 
     def _cudnn_path(self, x: torch.Tensor) -> bool:
         """cuDNN's fused convolution + bias + ReLU applies: CUDA, ReLU, a dtype cuDNN fuses, no graph."""
         if self.activation != "relu" or not x.is_cuda or x.dim() != 4 or torch.compiler.is_compiling():
+            return False
+        if torch.is_autocast_enabled("cuda"):
             return False
         if x.dtype != self.weight.dtype or x.dtype not in CUDNN_FUSED_DTYPES or not torch.backends.cudnn.enabled:
             return False
@@ -195,16 +192,6 @@ class PrepackedConv2d(torch.nn.Module):
         y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
-
-    def __getstate__(self):
-        # oneDNN's reordered weight is opaque (it cannot be copied or pickled): a copy rebuilds it.
-        state = self.__dict__.copy()
-        state["_packed"], state["_packed_for"], state["_packed_storage"] = None, None, None
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._layer_id = nn_prepacked_ops.register(self)  # a copy has a cache, and so an id, of its own
 
     def extra_repr(self) -> str:
         return (

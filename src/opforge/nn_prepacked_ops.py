@@ -1,37 +1,63 @@
-"""oneDNN's prepacked convolution as one custom op, so that ``torch.compile`` keeps it.
+"""oneDNN's prepacked convolution as one custom op, and the cache of reordered weights.
 
 Traced by ``torch.compile``, a :class:`~opforge.nn.PrepackedConv2d` (or a
 ``ConvResidual`` on its ``"onednn"`` engine) would otherwise become torch's
 conv, which hands oneDNN a plain weight that it reorders on every call: the
 cost the layer exists to remove. ``opforge::onednn_conv`` is opaque to
 inductor: it runs oneDNN's convolution with the activation (and the
-residual add) as post-ops, the weight reordered once and cached on the layer
-that called it (found by the layer's id in a weak registry, so that the
-cache lives and dies with the layer). ``torch.export`` still traces torch's
-ops: an exported program must not need opforge's Python to run.
+residual add) as post-ops and the weight reordered once. ``torch.export``
+still traces torch's ops: an exported program must not need opforge's
+Python to run.
+
+The reordered weights are cached by the weight tensor itself (weakly, so an
+entry dies with its weight), which is the object a compiled graph passes
+too: eager and compiled calls share one entry, and the graph holds no
+per-layer constant that would make dynamo compile each layer apart.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
-
-# Layers that ran the op under torch.compile, by the id the compiled graph holds as a constant.
-_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_ids = itertools.count(1)
+from torch.utils.weak import WeakIdKeyDictionary
 
 # opforge's activation names -> oneDNN's post-op and its scalars ("none": no activation).
 POST_OPS = {"none": ("none", []), "relu": ("relu", []), "relu6": ("hardtanh", [0.0, 6.0])}
 POST_OPS.update({"hardswish": ("hardswish", []), "silu": ("swish", [])})
 
+# weight tensor -> (what the reordering depends on, the reordered weight); one tuple, replaced whole.
+_PACKED = WeakIdKeyDictionary()
 
-def register(layer: torch.nn.Module) -> int:
-    """A new id by which the op finds ``layer``'s weight cache (a layer and each copy of it get one)."""
-    layer_id = next(_ids)
-    _LAYERS[layer_id] = layer
-    return layer_id
+
+def pack(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilation, groups: int) -> torch.Tensor:
+    """``weight`` reordered into the blocked layout oneDNN picks for inputs shaped like ``x``."""
+    return torch.ops.mkldnn._reorder_convolution_weight(
+        weight.detach(), list(padding), list(stride), list(dilation), groups, list(x.shape)
+    )
+
+
+def packed_weight(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilation, groups: int) -> torch.Tensor:
+    """``pack``, cached for ``weight`` until its data, its version (bumped by every in-place change),
+    the input's per-sample shape or the conv's settings change. An inference tensor has no version
+    counter, so a change could not be seen: it is reordered on every call."""
+    if weight.is_inference():
+        return pack(weight, x, stride, padding, dilation, groups)
+    key = (weight.data_ptr(), weight._version, tuple(x.shape[1:]), tuple(stride), tuple(padding))
+    key += (tuple(dilation), groups)
+    entry = _PACKED.get(weight)
+    if entry is None or entry[0] != key:
+        entry = (key, pack(weight, x, stride, padding, dilation, groups))
+        _PACKED[weight] = entry
+    return entry[1]
+
+
+def cached(weight: torch.Tensor) -> torch.Tensor | None:
+    """The reordered copy cached for ``weight``, if any."""
+    entry = _PACKED.get(weight)
+    return None if entry is None else entry[1]
+
+
+def drop(weight: torch.Tensor) -> None:
+    _PACKED.pop(weight, None)
 
 
 def output_layout(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple[list[int], bool]:
@@ -59,7 +85,6 @@ def onednn_conv(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
-    layer: int,
     stride: list[int],
     padding: list[int],
     dilation: list[int],
@@ -67,8 +92,7 @@ def onednn_conv(
     activation: str,
 ) -> torch.Tensor:
     """``activation(conv2d(x, weight, bias) [+ residual])`` on oneDNN, in F.conv2d's memory format."""
-    owner = _LAYERS.get(layer)  # None once the layer is gone (a graph outliving it): repacked per call
-    packed = owner.packed_weight(x, weight) if owner is not None else pack(weight, x, stride, padding, dilation, groups)
+    packed = packed_weight(weight, x, stride, padding, dilation, groups)
     if residual is None:
         attr, scalars = POST_OPS[activation]
         y = torch.ops.mkldnn._convolution_pointwise(
@@ -86,12 +110,5 @@ def onednn_conv(
 
 
 @onednn_conv.register_fake
-def _(x, weight, bias, residual, layer, stride, padding, dilation, groups, activation):
+def _(x, weight, bias, residual, stride, padding, dilation, groups, activation):
     return _empty(x, *output_layout(x, weight, stride, padding, dilation))
-
-
-def pack(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilation, groups: int) -> torch.Tensor:
-    """``weight`` reordered into the blocked layout oneDNN picks for inputs shaped like ``x``."""
-    return torch.ops.mkldnn._reorder_convolution_weight(
-        weight.detach(), list(padding), list(stride), list(dilation), groups, list(x.shape)
-    )

@@ -80,6 +80,8 @@ class ConvResidual(PrepackedConv2d):
         """The fused engines take a residual of the conv output's shape, dtype and device, no graph."""
         if torch.compiler.is_exporting() or x.dim() != 4 or residual.dim() != 4:
             return False
+        if torch.is_autocast_enabled(x.device.type):  # autocast picks the conv's dtype: torch's ops do that
+            return False
         if residual.dtype != x.dtype or residual.device != x.device or x.dtype != self.weight.dtype:
             return False
         return not self._records_grad(x, residual) and tuple(residual.shape) == self._output_shape(x)
