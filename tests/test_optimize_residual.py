@@ -2,6 +2,7 @@
 
 import copy
 import io
+import random
 
 import pytest
 import torch
@@ -248,6 +249,40 @@ def test_training_block_that_reads_its_mode_is_left():
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x))
+
+
+class StochasticDepthBlock(ModeReadingBlock):
+    """A block that drops its branch at random in training: a trace would fix one draw."""
+
+    def forward(self, x):
+        if self.training and random.random() < 0.5:
+            return x
+        return self.relu(self.relu(self.bn(self.conv(x))) + x)
+
+
+def test_training_blocks_whose_code_a_trace_would_fix_are_left():
+    model = torch.nn.Sequential(StochasticDepthBlock(), StochasticDepthBlock()).train()
+    fast = opforge.optimize(model, example_inputs=(torch.randn(2, 4, 8, 8),))
+    assert all(type(b) is StochasticDepthBlock for b in fast)
+    # The blocks still draw on every call: some calls pass x through, some do not.
+    x = torch.randn(2, 4, 8, 8)
+    random.seed(0)
+    with torch.no_grad():
+        kept = [torch.equal(fast[0](x), x) for _ in range(40)]
+    assert any(kept) and not all(kept)
+
+
+def test_blocks_with_hooks_are_left_and_attributes_stay_readable():
+    model = torchvision.models.resnet18(num_classes=10).train()
+    calls = []
+    model.layer4[1].register_forward_hook(lambda *args: calls.append(1))
+    fast = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),))
+    assert type(fast.layer4[1]) is type(model.layer4[1])
+    assert type(fast.layer4[0]) is not type(model.layer4[0])  # rewritten: its ReLU is split per call
+    assert fast.layer2[0].stride == model.layer2[0].stride == 2
+    before = len(calls)  # optimize's own runs of example_inputs call it too
+    fast(torch.randn(2, 3, 32, 32))
+    assert len(calls) == before + 1
 
 
 class FunctionalBlock(torch.nn.Module):

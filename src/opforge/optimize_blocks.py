@@ -20,10 +20,13 @@ itself (the root) keeps its type and code: only its submodules are rewritten.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import dataclasses
+import dis
 import functools
 import operator
+import types
 
 import torch
 
@@ -72,6 +75,9 @@ def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
         used = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}
         rewritten = torch.fx.GraphModule(_referenced(block, modules, used), graph, class_name=type(block).__name__)
         rewritten.training = block.training  # the submodules are the block's own, in their own modes
+        for key, value in vars(block).items():  # plain attributes (a ResNet block's stride) stay readable
+            if not key.startswith("_") and not hasattr(rewritten, key):
+                setattr(rewritten, key, value)
         _set(model, name, rewritten)
         tails += [dataclasses.replace(t, name=f"{name}.{t.name}") for t in block_tails]
         done.append(name)
@@ -79,9 +85,16 @@ def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
 
 
 def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
-    """The block's graph; None where fx cannot trace it (control flow) or, in training mode, where it
-    traces to other code in eval mode (``self.training`` read in its forward): the graph is fixed at
-    trace time, and a training model is switched to eval for validation later."""
+    """The block's graph, or None where it must be left as it is: fx cannot trace it (control flow),
+    it or a module fx would inline has hooks (a graph would not call them), or, in training mode,
+    its code reads anything a trace would fix (see ``fixed_by_trace``) or traces to other code in
+    eval mode: a training model is switched to eval for validation, and reads the random numbers
+    and flags of stochastic depth and the like on each call."""
+    inlined = [m for m in block.modules() if not Tracer().is_leaf_module(m, "")]
+    if any(_has_hooks(m) for m in inlined):
+        return None
+    if block.training and not all(fixed_by_trace(type(m).forward) for m in inlined):
+        return None
     try:
         graph = Tracer().trace(block)
         if not block.training:
@@ -96,6 +109,57 @@ def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
     except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
         return None
     return graph if str(graph) == str(in_eval) else None
+
+
+def _has_hooks(m: torch.nn.Module) -> bool:
+    hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+    return any(len(h) for h in hooks)
+
+
+# The jumps a trace may fix: a test of ``self.<attr> is [not] None`` (a submodule that is there or
+# not, as ResNet's downsample), whatever the Python version's opcode for it.
+_NONE_JUMPS = ("POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE", "POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE")
+_SKIPPED_OPS = ("CACHE", "EXTENDED_ARG", "TO_BOOL", "NOT_TAKEN", "RESUME", "NOP")
+_SAFE_BUILTINS = {"super", "len", "isinstance", "range", "enumerate", "zip", "tuple", "list", "int", "float"}
+_SAFE_BUILTINS |= {"min", "max", "getattr", "hasattr"}
+
+
+def fixed_by_trace(forward) -> bool:
+    """Whether ``forward``'s code gives the same graph on every call: its only branches test
+    ``self.<attr> is [not] None``, it reads no ``training`` and sets no attribute, and its globals
+    are torch, ``operator``, ``math`` or plain builtins (not ``random``, not a helper of its own)."""
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return False
+    ops = [i for i in dis.get_instructions(code) if i.opname not in _SKIPPED_OPS]
+    for k, ins in enumerate(ops):
+        name = ins.opname
+        if name.startswith(("STORE_ATTR", "STORE_GLOBAL", "DELETE_", "MAKE_FUNCTION", "LOAD_DEREF")):
+            return False
+        if name in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "training":
+            return False
+        if name in ("LOAD_GLOBAL", "LOAD_NAME") and not _safe_global(forward, ins.argval):
+            return False
+        if "JUMP" in name and "IF" in name and not _tests_attribute_for_none(ops, k):
+            return False
+    return True
+
+
+def _tests_attribute_for_none(ops: list, k: int) -> bool:
+    before = [i.opname for i in ops[max(0, k - 4) : k]]
+    if ops[k].opname in _NONE_JUMPS:
+        return before[-2:] == ["LOAD_FAST", "LOAD_ATTR"] and ops[k - 2].argval == "self"
+    is_none = before == ["LOAD_FAST", "LOAD_ATTR", "LOAD_CONST", "IS_OP"]
+    return is_none and ops[k - 4].argval == "self" and ops[k - 2].argval is None
+
+
+def _safe_global(forward, name: str) -> bool:
+    value = forward.__globals__.get(name, getattr(builtins, name, None))
+    if isinstance(value, types.ModuleType):
+        return value.__name__ in ("operator", "math") or value.__name__.split(".")[0] == "torch"
+    if value is getattr(builtins, name, None):
+        return name in _SAFE_BUILTINS
+    return callable(value) and getattr(value, "__module__", "").split(".")[0] == "torch"
 
 
 def _referenced(block: torch.nn.Module, modules: dict, used: set) -> dict:
