@@ -146,7 +146,8 @@ def fixed_by_trace(forward) -> bool:
 
 
 def _tests_attribute_for_none(ops: list, k: int) -> bool:
-    before = [i.opname for i in ops[max(0, k - 4) : k]]
+    # LOAD_FAST's variants (LOAD_FAST_CHECK, LOAD_FAST_BORROW) load ``self`` alike.
+    before = ["LOAD_FAST" if i.opname.startswith("LOAD_FAST") else i.opname for i in ops[max(0, k - 4) : k]]
     if ops[k].opname in _NONE_JUMPS:
         return before[-2:] == ["LOAD_FAST", "LOAD_ATTR"] and ops[k - 2].argval == "self"
     is_none = before == ["LOAD_FAST", "LOAD_ATTR", "LOAD_CONST", "IS_OP"]
