@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d
+from .nn_prepacked_ops import output_layout
 from .ops.add import add_relu
 from .ops.conv import TORCH_ACTIVATIONS
 
@@ -76,6 +77,9 @@ class ConvResidual(PrepackedConv2d):
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
 
+    def _output_sizes(self, x: torch.Tensor) -> list[int]:
+        return output_layout(x, self.weight, self.stride, self.padding, self.dilation)[0]
+
     def _fused_call_fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """The fused engines take a residual of the conv output's shape, dtype and device, no graph."""
         if torch.compiler.is_exporting() or x.dim() != 4 or residual.dim() != 4:
@@ -84,14 +88,7 @@ class ConvResidual(PrepackedConv2d):
             return False
         if residual.dtype != x.dtype or residual.device != x.device or x.dtype != self.weight.dtype:
             return False
-        return not self._records_grad(x, residual) and tuple(residual.shape) == self._output_shape(x)
-
-    def _output_shape(self, x: torch.Tensor) -> tuple[int, ...]:
-        sizes = []
-        for i in range(2):
-            extent = self.dilation[i] * (self.kernel_size[i] - 1) + 1
-            sizes.append((x.shape[2 + i] + 2 * self.padding[i] - extent) // self.stride[i] + 1)
-        return (x.shape[0], self.out_channels, *sizes)
+        return not self._records_grad(x, residual) and list(residual.shape) == self._output_sizes(x)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         engine = self._engine
