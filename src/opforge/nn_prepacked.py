@@ -59,13 +59,13 @@ class PrepackedConv2d(torch.nn.Module):
     ``"silu"``) as its post-op. On CUDA with ``"relu"`` (float32, float16,
     bfloat16, no gradient recorded) it is cuDNN's fused convolution + bias +
     ReLU, one call. Everywhere else (training, other activations on CUDA,
-    other dtypes, CUDA while ``torch.compile`` traces it, where inductor
-    fuses the activation itself, and ``torch.export``) it is ``F.conv2d`` and
-    the activation. Under ``torch.compile`` the CPU path stays one opaque op,
-    ``opforge::onednn_conv`` (see ``opforge.nn_prepacked_ops``). The parameters are ``weight`` and ``bias``, as in
-    ``nn.Conv2d``; the reordered copy is a cache, rebuilt when the weight is
-    changed or moved (a change through ``.data`` needs ``invalidate()``), and
-    never saved. The output has ``F.conv2d``'s memory format::
+    other dtypes, autocast, CUDA while ``torch.compile`` traces it, where
+    inductor fuses the activation itself, and ``torch.export``) it is
+    ``F.conv2d`` and the activation. Under ``torch.compile`` the CPU path
+    stays one opaque op, ``opforge::onednn_conv`` (``opforge.nn_prepacked_ops``).
+    The parameters are ``weight`` and ``bias``, as in ``nn.Conv2d``; the
+    reordered copy is a cache, rebuilt when the weight is changed or moved (a
+    change through ``.data`` needs ``invalidate()``), and never saved. The output has ``F.conv2d``'s memory format::
 
         conv = torch.nn.Conv2d(32, 64, 3, padding=1).eval()
         fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu")
@@ -129,10 +129,11 @@ class PrepackedConv2d(torch.nn.Module):
             return False
         if x.dtype != self.weight.dtype or not onednn_runs(x.dtype):
             return False
-        if torch.compiler.is_compiling():  # the op repacks an inference weight on each call
-            return not self._records_grad(x) and x.shape[1] == self.in_channels
-        # An inference tensor has no version counter, so in-place changes to it could not be seen.
-        return not self._records_grad(x) and x.shape[1] == self.in_channels and not self.weight.is_inference()
+        if self._records_grad(x) or x.shape[1] != self.in_channels:
+            return False
+        # An inference weight has no version counter, so in-place changes to it could not be seen:
+        # eager calls leave it to torch, the compiled op reorders it on each call.
+        return torch.compiler.is_compiling() or not self.weight.is_inference()
 
     def _records_grad(self, *inputs: torch.Tensor) -> bool:
         """Autograd records this call: the fused engines have no backward, torch's ops do."""

@@ -3,8 +3,8 @@
 A block whose ``forward`` adds a shortcut (``relu(bn(conv(x)) + identity)``)
 or calls one activation module from several places (torchvision ResNet's
 ``self.relu``) hides its patterns in code. Each submodule that ``torch.fx``
-traces (in training mode: to the same code in eval mode) is rewritten as a
-``torch.fx.GraphModule`` in which:
+traces, has no hooks and (in training mode) whose code a trace cannot fix
+(``fixed_by_trace``) is rewritten as a ``torch.fx.GraphModule`` in which:
 
 - every call of a shared activation module that reads a conv or BatchNorm
   output gets its own copy of the module, so that the chain
@@ -87,28 +87,17 @@ def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
 def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
     """The block's graph, or None where it must be left as it is: fx cannot trace it (control flow),
     it or a module fx would inline has hooks (a graph would not call them), or, in training mode,
-    its code reads anything a trace would fix (see ``fixed_by_trace``) or traces to other code in
-    eval mode: a training model is switched to eval for validation, and reads the random numbers
-    and flags of stochastic depth and the like on each call."""
+    that code reads anything a trace would fix (``fixed_by_trace``): a training model is switched
+    to eval for validation, and stochastic depth draws its random numbers on each call."""
     inlined = [m for m in block.modules() if not Tracer().is_leaf_module(m, "")]
     if any(_has_hooks(m) for m in inlined):
         return None
     if block.training and not all(fixed_by_trace(type(m).forward) for m in inlined):
         return None
     try:
-        graph = Tracer().trace(block)
-        if not block.training:
-            return graph
-        modes = [(m, m.training) for m in block.modules()]
-        try:
-            block.eval()
-            in_eval = Tracer().trace(block)
-        finally:
-            for m, training in modes:
-                m.training = training
+        return Tracer().trace(block)
     except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
         return None
-    return graph if str(graph) == str(in_eval) else None
 
 
 def _has_hooks(m: torch.nn.Module) -> bool:
@@ -120,8 +109,21 @@ def _has_hooks(m: torch.nn.Module) -> bool:
 # not, as ResNet's downsample), whatever the Python version's opcode for it.
 _NONE_JUMPS = ("POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE", "POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE")
 _SKIPPED_OPS = ("CACHE", "EXTENDED_ARG", "TO_BOOL", "NOT_TAKEN", "RESUME", "NOP")
-_SAFE_BUILTINS = {"super", "len", "isinstance", "range", "enumerate", "zip", "tuple", "list", "int", "float"}
-_SAFE_BUILTINS |= {"min", "max", "getattr", "hasattr"}
+# Not getattr / hasattr: they could read ``training`` by name.
+_SAFE_BUILTINS = {
+    "super",
+    "len",
+    "isinstance",
+    "range",
+    "enumerate",
+    "zip",
+    "tuple",
+    "list",
+    "int",
+    "float",
+    "min",
+    "max",
+}
 
 
 def fixed_by_trace(forward) -> bool:
