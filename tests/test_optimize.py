@@ -143,6 +143,43 @@ def test_training_mode_folds_nothing_and_trains_the_same():
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
 
+def traced_ops(model, x):
+    """The functions and methods in the graphs torch.compile's tracer makes of one call of ``model``,
+    counted; relu6 is counted as the hardtanh it is, an in-place add as an add (a rewritten block's
+    trace records ``out += identity`` as one; functionalization makes them the same op)."""
+    import collections
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch._dynamo.reset()
+    names = {"relu6": "hardtanh", "iadd": "add"}
+    ops = collections.Counter()
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op in ("call_function", "call_method"):
+                name = getattr(node.target, "__name__", str(node.target))
+                ops[names.get(name, name)] += 1
+    return len(graphs), ops
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
+def test_compiled_training_model_traces_as_the_original(name):
+    # In training mode the fused conv + BatchNorm layers and rewritten blocks leave torch.compile the
+    # original's ops, so that inductor fuses them as it would the original's.
+    torch.manual_seed(0)
+    model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=4)).train()
+    x = torch.randn(2, 3, 32, 32)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert any("as one op" in r.action for r in report.layers)
+    assert traced_ops(fast, x) == traced_ops(model, x)
+
+
 def test_layers_opforge_has_no_kernel_for_are_left_alone():
     convs = [
         torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2),

@@ -54,7 +54,7 @@ def collect_shapes(names=MODELS, image=224) -> dict[tuple, list[str]]:
     )
 
 
-def run_case(key, n, dtype, channels_last):
+def run_case(key, n, dtype, channels_last, backward=True):
     import opforge
 
     c, h, w, s, p, mult = key
@@ -71,6 +71,9 @@ def run_case(key, n, dtype, channels_last):
             time_ms(lambda: opforge.conv2d_3x3(x, wt, b, s, p, c)),
             time_ms(lambda: F.conv2d(x, wt, b, s, p, 1, c)),
         )
+    moved = (x.numel() + ours.numel()) * x.element_size()
+    if not backward:
+        return {"fwd": fwd, "bytes": moved, "max_rel_err": err}
     g = torch.randn_like(ours)
 
     def bwd(fn):
@@ -82,7 +85,6 @@ def run_case(key, n, dtype, channels_last):
         time_ms(bwd(lambda xx, ww, bb: opforge.conv2d_3x3(xx, ww, bb, s, p, c))),
         time_ms(bwd(lambda xx, ww, bb: F.conv2d(xx, ww, bb, s, p, 1, c))),
     )
-    moved = (x.numel() + ours.numel()) * x.element_size()
     return {"fwd": fwd, "bwd": bwd_ms, "bytes": moved, "max_rel_err": err}
 
 
@@ -90,7 +92,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write every case and the summary here")
     ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--layouts", default="nchw,channels_last", help="nchw, channels_last or both (the default)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--forward-only", action="store_true", help="time the forward alone")
     args = ap.parse_args(argv)
+    layouts = [{"nchw": False, "channels_last": True}[name] for name in args.layouts.split(",")]
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     if not torch.cuda.is_available():
         print("depthwise_sweep: needs a CUDA GPU")
         return 2
@@ -99,16 +106,16 @@ def main(argv=None) -> int:
     cases, errors = [], []
     for key, models in sorted(shapes.items()):
         for n in (int(b) for b in args.batches.split(",")):
-            for dtype in (torch.float32, torch.bfloat16):
-                for cl in (False, True):
+            for dtype in dtypes:
+                for cl in layouts:
                     name = f"N{n} C{key[0]} {key[1]}x{key[2]} s{key[3]} p{key[4]} m{key[5]} {str(dtype)[6:]} "
                     name += ("NHWC" if cl else "NCHW") + f" ({','.join(models)})"
-                    run_recorded(name, run_case, (key, n, dtype, cl), cases, errors)
+                    run_recorded(name, run_case, (key, n, dtype, cl, not args.forward_only), cases, errors)
     summary = {
         "shapes": len(shapes),
         "copy_gbs": floor,
         "forward": summarize(cases, "fwd", floor),
-        "backward": summarize(cases, "bwd"),
+        "backward": summarize(cases, "bwd") if not args.forward_only else None,
         "max_rel_err": max(c["max_rel_err"] for c in cases),
         "failed": errors,
     }
