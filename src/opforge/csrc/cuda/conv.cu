@@ -205,12 +205,12 @@ at::Tensor conv2d_3x3_cuda(const at::Tensor& x, const at::Tensor& w, const std::
                                 s.unbatched);
 }
 
-// Dense backward: the masked gradient and grad bias from one pass over
-// grad_out and the result, then cuDNN for grad x and grad weight without
-// the bias (its sums over N, H and W, a second read of the gradient in
-// ATen, ran at a sixth of the H200's bandwidth). Without a bias gradient to
-// compute, or with nothing to read, ATen's path is as good.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& grad_out,
+// Dense backward (and depthwise, where depthwise_backward_prefers_cudnn):
+// the masked gradient and grad bias from one pass over grad_out and the
+// result, then cuDNN for grad x and grad weight without the bias (its sums over N, H and W, a second read of the
+// gradient in ATen, ran at a sixth of the H200's bandwidth). Without a bias gradient to compute, or with nothing to
+// read, ATen's path is as good.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward(const at::Tensor& grad_out,
                                                               const std::optional<at::Tensor>& result,
                                                               const at::Tensor& x_in, const at::Tensor& w_in,
                                                               const Geometry& g, bool unbatched,
@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dense_backward(const at::Tensor& 
   at::Tensor gx, gw;
   std::tie(gx, gw, std::ignore) =
       at::convolution_backward(o.result.defined() ? masked : o.grad_out, o.x, o.w, std::nullopt, {g.stride, g.stride},
-                               {g.pad, g.pad}, {1, 1}, false, {0, 0}, 1, {mask[0], mask[1], false});
+                               {g.pad, g.pad}, {1, 1}, false, {0, 0}, g.groups, {mask[0], mask[1], false});
   // Layouts as the shape function states: grad x in x's format, grad weight contiguous.
   return {mask[0] ? gx.contiguous(o.fmt) : empty(), mask[1] ? gw.contiguous() : empty(), gb};
 }
@@ -271,8 +271,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
   const c10::cuda::CUDAGuard guard(x.device());
   const auto [grad_out, result] = opforge::conv::grad_through_activation(grad_out_in, result_in, activation);
   at::Tensor gx, gw, gb;
-  std::tie(gx, gw, gb) = g.depthwise ? depthwise_backward(grad_out, result, x, w, g, s.unbatched, mask)
-                                     : dense_backward(grad_out, result, x, w, g, s.unbatched, mask);
+  const bool own = g.depthwise && !opforge::conv::depthwise_backward_prefers_cudnn(
+                                      g, opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast);
+  std::tie(gx, gw, gb) = own ? depthwise_backward(grad_out, result, x, w, g, s.unbatched, mask)
+                             : cudnn_backward(grad_out, result, x, w, g, s.unbatched, mask);
   return {opforge::conv::unbatch(gx, s.unbatched), gw, gb};
 }
 

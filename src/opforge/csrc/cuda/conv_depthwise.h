@@ -19,4 +19,10 @@ void depthwise_backward_cuda(const at::Tensor& grad_out, const at::Tensor& resul
                              const at::Tensor& w, at::Tensor& grad_x, at::Tensor& grad_w, at::Tensor& grad_b,
                              const Geometry& g, bool nhwc);
 
+// Where the backward is cuDNN's (the masked gradient and bias sums from one
+// pass, then ATen's convolution backward, as the dense path does) rather than
+// these kernels: stride 2 from 2^21 input elements (NCHW) or 2^22 (NHWC),
+// where the gather of grad x and the split weight sums lose to cuDNN.
+bool depthwise_backward_prefers_cudnn(const Geometry& g, bool nhwc);
+
 }  // namespace opforge::conv

@@ -1,7 +1,11 @@
 // Depthwise 3x3 convolution on CUDA: direct kernels, memory-bound by design.
 //
-// Forward, NCHW: one block per (image, input channel, tile of output rows x
-// columns). The input tile with its halo is staged in shared memory (opmath)
+// Forward, stride 2 (NCHW; NHWC with multiplier 1) and NCHW planes of up to
+// 14x14 outputs: unstaged kernels, a thread per V outputs along W (NCHW) or
+// C (NHWC), reading its window from global memory through L1.
+// Forward, stride 1 otherwise: the staged kernels (conv_dw_forward_*.cuh).
+// Forward, NCHW, general: one block per (image, input channel, tile of
+// output rows x columns). The input tile with its halo is staged in shared memory (opmath)
 // with 16-byte global loads along W where the row is aligned (scalar loads
 // for the halo and unaligned rows); each thread then computes V consecutive
 // outputs of a row for every channel multiplier from a window read with
@@ -10,8 +14,9 @@
 // Forward, NHWC: one block per (image, tile of 8x8 or 4x8 output pixels,
 // chunk of input channels); the tile is staged with 16-byte loads along C and
 // each thread computes V consecutive output channels of one pixel.
-// Backward: for stride 1 and multiplier 1, NHWC with padding 1 runs one
-// fused kernel (grad x and the weight sums from one stage of grad_out,
+// Backward: at stride 2 from 2^21 (NCHW) or 2^22 (NHWC) input elements,
+// cuDNN's after one mask-and-bias pass (cuda/conv.cu). For stride 1 and
+// multiplier 1, NHWC with padding 1 runs one fused kernel (grad x and the weight sums from one stage of grad_out,
 // result and x per tile); otherwise one pass masks grad_out by the fused
 // ReLU's result and grad x is the forward kernel run on it with the kernel
 // flipped (padding 2 - pad), the weight sums coming from staged kernels on
@@ -43,8 +48,8 @@ namespace {
 
 // grad x of a stride-1, multiplier-1 convolution is the stride-1 depthwise
 // convolution of the masked grad_out (N, C, Ho, Wo) with the kernel flipped
-// and padding 2 - pad, whose output is (N, C, H, W): the forward's tiled
-// kernels (staged with cp.async) do it.
+// and padding 2 - pad, whose output is (N, C, H, W): the forward's staged
+// kernels (cp.async) do it (the unstaged NCHW one measured no faster here).
 // False where they do not apply (float64, NHWC with C % 4 != 0, alignment).
 template <typename scalar_t>
 bool try_backward_input_as_forward(const scalar_t* gm, const scalar_t* wflip, scalar_t* gx, const Geometry& g,
@@ -75,8 +80,10 @@ void depthwise_forward_cuda(const at::Tensor& x, const at::Tensor& w, const at::
     const auto* wp = w.const_data_ptr<scalar_t>();
     const auto* bp = bias.defined() ? bias.const_data_ptr<scalar_t>() : nullptr;
     auto* op = out.mutable_data_ptr<scalar_t>();
-    if (nhwc ? try_forward_nhwc_s1<scalar_t>(xp, wp, bp, op, g, act, stream)
-             : try_forward_nchw_s1<scalar_t>(xp, wp, bp, op, g, act, stream)) {
+    if (nhwc ? try_forward_nhwc_direct<scalar_t>(xp, wp, bp, op, g, act, stream) ||
+                   try_forward_nhwc_s1<scalar_t>(xp, wp, bp, op, g, act, stream)
+             : try_forward_nchw_direct<scalar_t>(xp, wp, bp, op, g, act, stream) ||
+                   try_forward_nchw_s1<scalar_t>(xp, wp, bp, op, g, act, stream)) {
       return;
     }
     int V;

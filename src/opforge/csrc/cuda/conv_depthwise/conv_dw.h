@@ -46,6 +46,14 @@ struct DwS1Args {
   bool store_vec;
 };
 
+// The unstaged NCHW forward (dw_fwd_nchw_direct): see plan_nchw_direct.
+struct DwDirectArgs {
+  int H, W, Wo, pad;
+  unsigned C, K, Ho, mult, ngw, items;
+  Activation act;
+  bool store_vec;
+};
+
 // The staged stride-1 NHWC kernels (forward, weight gradient, fused
 // backward): see plan_nhwc_s1.
 struct DwS1NhwcArgs {
@@ -80,6 +88,22 @@ struct NchwS1Plan {
 bool plan_nchw_s1(const Geometry& g, int s, const void* xp, const void* op, bool per_channel, NchwS1Plan& plan);
 
 inline size_t nchw_s1_stage_bytes(const DwS1Args& a, int s) { return static_cast<size_t>(a.P) * s * a.SR * a.PB; }
+
+// The unstaged NCHW forward, where its rule takes the shape (stride 2, and
+// output planes of up to 196 pixels: conv_dw_plan.cpp says why): V output
+// columns per thread. False where it does not apply (or its items pass 2^31).
+struct NchwDirectPlan {
+  DwDirectArgs a;
+  int V;
+};
+
+bool plan_nchw_direct(const Geometry& g, int s, const void* op, NchwDirectPlan& plan);
+
+// The unstaged NHWC forward (multiplier 1), where its rule takes the shape
+// (stride 2): V channels per thread, x and out aligned for them; smem: the
+// staged weights' bytes.
+bool plan_nhwc_direct(const Geometry& g, int s, int opmath_size, const void* xp, const void* op, NchwDirectPlan& plan,
+                      size_t& smem);
 
 // Tiling of the stride-1 NHWC kernels: multiplier 1, C % 4 == 0, x aligned
 // for at least 4-byte copies and out for 4-channel accesses.
@@ -119,6 +143,16 @@ bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
 template <typename scalar_t>
 bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op, const Geometry& g,
                          Activation act, cudaStream_t stream);
+
+// The unstaged NCHW forward, when plan_nchw_direct takes the shape; false
+// otherwise, with nothing launched.
+template <typename scalar_t>
+bool try_forward_nchw_direct(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op,
+                             const Geometry& g, Activation act, cudaStream_t stream);
+
+template <typename scalar_t>
+bool try_forward_nhwc_direct(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op,
+                             const Geometry& g, Activation act, cudaStream_t stream);
 
 // conv_dw_grad_input.cu: grad x by the gather or row kernels; grad_out and
 // result (undefined: no ReLU mask) in x's format.

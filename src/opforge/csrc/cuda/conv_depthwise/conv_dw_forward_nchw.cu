@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include <type_traits>
+
 #include "cuda/conv_depthwise/conv_dw_launch.cuh"
 #include "cuda/conv_depthwise/conv_dw_forward_nchw.cuh"
 
@@ -42,10 +44,46 @@ bool try_forward_nchw_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
   }
 }
 
-#define OPFORGE_DW_FORWARD_NCHW(T)                                                                                 \
-  template void launch_forward_nchw<T>(const T*, const T*, const T*, T*, const DwArgs&, int, int, int64_t, size_t, \
-                                       cudaStream_t);                                                              \
-  template bool try_forward_nchw_s1<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t);
+template <typename scalar_t>
+bool try_forward_nchw_direct(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op,
+                             const Geometry& g, Activation act, cudaStream_t stream) {
+  NchwDirectPlan plan;
+  if (!plan_nchw_direct(g, sizeof(scalar_t), op, plan)) return false;
+  plan.a.act = act;
+  const unsigned blocks = (plan.a.items + kThreads - 1) / kThreads;
+  auto launch = [&](auto v, auto s) {
+    auto kernel = dw_fwd_nchw_direct<scalar_t, decltype(v)::value, decltype(s)::value>;
+    kernel<<<blocks, kThreads, 0, stream>>>(xp, wp, bp, op, plan.a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto with_stride = [&](auto v) {
+    if (g.stride == 1) {
+      launch(v, std::integral_constant<int, 1>{});
+    } else {
+      launch(v, std::integral_constant<int, 2>{});
+    }
+  };
+  if constexpr (sizeof(scalar_t) == 2) {
+    if (plan.V == 8) {
+      with_stride(std::integral_constant<int, 8>{});
+      return true;
+    }
+  }
+  if (plan.V == 4) {
+    with_stride(std::integral_constant<int, 4>{});
+  } else if (plan.V == 2) {
+    with_stride(std::integral_constant<int, 2>{});
+  } else {
+    with_stride(std::integral_constant<int, 1>{});
+  }
+  return true;
+}
+
+#define OPFORGE_DW_FORWARD_NCHW(T)                                                                                   \
+  template void launch_forward_nchw<T>(const T*, const T*, const T*, T*, const DwArgs&, int, int, int64_t, size_t,   \
+                                       cudaStream_t);                                                                \
+  template bool try_forward_nchw_s1<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t); \
+  template bool try_forward_nchw_direct<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t);
 OPFORGE_DW_INSTANTIATE(OPFORGE_DW_FORWARD_NCHW)
 #undef OPFORGE_DW_FORWARD_NCHW
 

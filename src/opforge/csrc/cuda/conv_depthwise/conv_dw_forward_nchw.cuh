@@ -220,3 +220,68 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 }  // namespace opforge::conv
+
+namespace opforge::conv {
+namespace {
+
+// NCHW without a stage, for planes too small to fill the tiled kernels'
+// blocks (a 7x7 output plane is 14 items of 4 columns for 256 threads):
+// each thread computes V consecutive outputs of one output row of one output
+// channel from its 3 x ((V - 1) * S + 3) input window, read from global
+// memory; neighbouring threads' windows overlap, and L1 serves the overlap.
+// Any padding and channel multiplier. (Arguments: DwDirectArgs, conv_dw.h.)
+template <typename scalar_t, int V, int S>
+__global__ void __launch_bounds__(kThreads)
+    dw_fwd_nchw_direct(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, const scalar_t* __restrict__ b,
+                       scalar_t* __restrict__ out, DwDirectArgs a) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  constexpr int WIN = (V - 1) * S + 3;
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= a.items) return;
+  // 32-bit decode (the planner keeps items below 2^31): item = ((n * K + k) * Ho + oh) * ngw + g.
+  const unsigned g = i % a.ngw;
+  const unsigned row = i / a.ngw;
+  const int oh = static_cast<int>(row % a.Ho);
+  const unsigned plane = row / a.Ho;  // n * K + k: the output plane
+  const unsigned k = plane % a.K, n = plane / a.K;
+  const unsigned c = k / a.mult;
+  const int ow = static_cast<int>(g) * V;
+  const scalar_t* xp = x + (static_cast<int64_t>(n) * a.C + c) * a.H * a.W;
+  const scalar_t* wk = w + static_cast<int64_t>(k) * 9;
+  const opmath_t bk = b != nullptr ? static_cast<opmath_t>(b[k]) : opmath_t(0);
+  opmath_t acc[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) acc[e] = bk;
+  const int iw0 = ow * S - a.pad;
+#pragma unroll
+  for (int kh = 0; kh < 3; ++kh) {
+    const int ih = oh * S - a.pad + kh;
+    if (ih < 0 || ih >= a.H) continue;
+    const scalar_t* src = xp + static_cast<int64_t>(ih) * a.W;
+    opmath_t win[WIN];
+#pragma unroll
+    for (int j = 0; j < WIN; ++j) {
+      const int col = iw0 + j;
+      win[j] = col >= 0 && col < a.W ? static_cast<opmath_t>(src[col]) : opmath_t(0);
+    }
+#pragma unroll
+    for (int kw = 0; kw < 3; ++kw) {
+      const opmath_t wv = static_cast<opmath_t>(wk[kh * 3 + kw]);
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[e] += wv * win[e * S + kw];
+    }
+  }
+  AlignedVec<scalar_t, V> res;
+#pragma unroll
+  for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(activate(acc[e], a.act));
+  scalar_t* o = out + (static_cast<int64_t>(plane) * a.Ho + oh) * a.Wo + ow;
+  if (a.store_vec) {  // Wo % V == 0: every item is whole
+    *reinterpret_cast<AlignedVec<scalar_t, V>*>(o) = res;
+  } else {
+    const int valid = min(V, a.Wo - ow);
+    for (int e = 0; e < valid; ++e) o[e] = res.val[e];
+  }
+}
+
+}  // namespace
+}  // namespace opforge::conv

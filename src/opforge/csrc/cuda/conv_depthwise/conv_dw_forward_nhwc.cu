@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include <type_traits>
+
 #include "cuda/conv_depthwise/conv_dw_launch.cuh"
 #include "cuda/conv_depthwise/conv_dw_forward_nhwc.cuh"
 
@@ -45,10 +47,34 @@ bool try_forward_nhwc_s1(const scalar_t* xp, const scalar_t* wp, const scalar_t*
   }
 }
 
-#define OPFORGE_DW_FORWARD_NHWC(T)                                                                                 \
-  template void launch_forward_nhwc<T>(const T*, const T*, const T*, T*, const DwArgs&, int, int, int64_t, size_t, \
-                                       cudaStream_t);                                                              \
-  template bool try_forward_nhwc_s1<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t);
+template <typename scalar_t>
+bool try_forward_nhwc_direct(const scalar_t* xp, const scalar_t* wp, const scalar_t* bp, scalar_t* op,
+                             const Geometry& g, Activation act, cudaStream_t stream) {
+  NchwDirectPlan plan;
+  size_t smem = 0;
+  if (!plan_nhwc_direct(g, sizeof(scalar_t), sizeof(at::opmath_type<scalar_t>), xp, op, plan, smem)) return false;
+  plan.a.act = act;
+  const unsigned blocks = (plan.a.items + kThreads - 1) / kThreads;
+  auto launch = [&](auto v, auto s) {
+    auto kernel = dw_fwd_nhwc_direct<scalar_t, decltype(v)::value, decltype(s)::value>;
+    kernel<<<blocks, kThreads, smem, stream>>>(xp, wp, bp, op, plan.a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  with_forward_vec<scalar_t>(plan.V, [&](auto v) {
+    if (g.stride == 1) {
+      launch(v, std::integral_constant<int, 1>{});
+    } else {
+      launch(v, std::integral_constant<int, 2>{});
+    }
+  });
+  return true;
+}
+
+#define OPFORGE_DW_FORWARD_NHWC(T)                                                                                   \
+  template void launch_forward_nhwc<T>(const T*, const T*, const T*, T*, const DwArgs&, int, int, int64_t, size_t,   \
+                                       cudaStream_t);                                                                \
+  template bool try_forward_nhwc_s1<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t); \
+  template bool try_forward_nhwc_direct<T>(const T*, const T*, const T*, T*, const Geometry&, Activation, cudaStream_t);
 OPFORGE_DW_INSTANTIATE(OPFORGE_DW_FORWARD_NHWC)
 #undef OPFORGE_DW_FORWARD_NHWC
 

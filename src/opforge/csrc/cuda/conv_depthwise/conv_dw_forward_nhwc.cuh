@@ -190,3 +190,62 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 }  // namespace opforge::conv
+
+namespace opforge::conv {
+namespace {
+
+// NHWC without an input stage (multiplier 1): each thread computes V
+// consecutive channels of one output pixel from its 3x3 input pixels, read
+// as V-wide vectors; consecutive threads take consecutive channel vectors,
+// then pixels, so a warp's loads are contiguous runs along C, and the
+// pixels the windows share are served by L1. The weights and bias are
+// staged once per block, tap-major ([10][C], opmath), so a thread reads its
+// V weights of a tap as consecutive words. (Arguments: DwDirectArgs with
+// ngw = C / V.)
+template <typename scalar_t, int V, int S>
+__global__ void __launch_bounds__(kThreads)
+    dw_fwd_nhwc_direct(const scalar_t* __restrict__ x, const scalar_t* __restrict__ w, const scalar_t* __restrict__ b,
+                       scalar_t* __restrict__ out, DwDirectArgs a) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  opmath_t* ws = reinterpret_cast<opmath_t*>(smem_raw);
+  const int C = static_cast<int>(a.C);
+  for (int i = threadIdx.x; i < 10 * C; i += blockDim.x) {
+    const int t = i / C, c = i % C;
+    ws[i] = t < 9 ? static_cast<opmath_t>(w[c * 9 + t]) : (b != nullptr ? static_cast<opmath_t>(b[c]) : opmath_t(0));
+  }
+  __syncthreads();
+  const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= a.items) return;
+  // 32-bit decode (items below 2^31): item = ((n * Ho + oh) * Wo + ow) * ngw + channel vector.
+  const int c = static_cast<int>(i % a.ngw) * V;
+  const unsigned pix = i / a.ngw;
+  const int ow = static_cast<int>(pix % static_cast<unsigned>(a.Wo));
+  const unsigned rest = pix / static_cast<unsigned>(a.Wo);
+  const int oh = static_cast<int>(rest % a.Ho);
+  const int64_t n = rest / a.Ho;
+  opmath_t acc[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) acc[e] = ws[9 * C + c + e];
+#pragma unroll
+  for (int kh = 0; kh < 3; ++kh) {
+    const int ih = oh * S - a.pad + kh;
+    if (ih < 0 || ih >= a.H) continue;
+#pragma unroll
+    for (int kw = 0; kw < 3; ++kw) {
+      const int iw = ow * S - a.pad + kw;
+      if (iw < 0 || iw >= a.W) continue;
+      const auto v = *reinterpret_cast<const AlignedVec<scalar_t, V>*>(x + ((n * a.H + ih) * a.W + iw) * C + c);
+      const opmath_t* wt = ws + (kh * 3 + kw) * C + c;
+#pragma unroll
+      for (int e = 0; e < V; ++e) acc[e] += wt[e] * static_cast<opmath_t>(v.val[e]);
+    }
+  }
+  AlignedVec<scalar_t, V> res;
+#pragma unroll
+  for (int e = 0; e < V; ++e) res.val[e] = static_cast<scalar_t>(activate(acc[e], a.act));
+  *reinterpret_cast<AlignedVec<scalar_t, V>*>(out + static_cast<int64_t>(pix) * C + c) = res;
+}
+
+}  // namespace
+}  // namespace opforge::conv

@@ -8,6 +8,7 @@
 
 #include <opforge/cuda_launch.cuh>
 
+#include "cuda/conv_depthwise.h"
 #include "cuda/conv_depthwise/conv_dw.h"
 
 namespace opforge::conv {
@@ -16,6 +17,24 @@ namespace {
 constexpr size_t kStageBudget = 48 * 1024;  // shared bytes per block of the stride-1 kernels
 
 int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+// The unstaged kernels' geometry, ngw vectors per row (NCHW) or pixel (NHWC)
+// and their item count; false where the 32-bit decode would not hold.
+bool fill_direct_args(const Geometry& g, int64_t ngw, int64_t items, DwDirectArgs& a) {
+  if (items >= (int64_t{1} << 31) || g.H > INT32_MAX / 4 || g.W > INT32_MAX / 4) return false;
+  a = DwDirectArgs{};
+  a.H = static_cast<int>(g.H);
+  a.W = static_cast<int>(g.W);
+  a.Wo = static_cast<int>(g.Wo);
+  a.pad = static_cast<int>(g.pad);
+  a.C = static_cast<unsigned>(g.C);
+  a.K = static_cast<unsigned>(g.K);
+  a.Ho = static_cast<unsigned>(g.Ho);
+  a.mult = static_cast<unsigned>(g.mult);
+  a.ngw = static_cast<unsigned>(ngw);
+  a.items = static_cast<unsigned>(items);
+  return true;
+}
 
 }  // namespace
 
@@ -68,6 +87,37 @@ void plan_forward_nhwc(const Geometry& g, int V, int S, int opmath_size, DwArgs&
   a.tiles_w = static_cast<int>((g.Wo + ow_t - 1) / ow_t);
   blocks = g.N * a.tiles_h * a.tiles_w * a.chunks;
   smem = opmath_size * (static_cast<size_t>(ih_t) * iw_t * cb + 10 * static_cast<size_t>(cb) * g.mult);
+}
+
+bool plan_nchw_direct(const Geometry& g, int s, const void* op, NchwDirectPlan& plan) {
+  // Measured on the H200 over the depthwise layers of real models (docs/ops/conv.md): the
+  // staged kernels leave most of a block idle on planes of up to 14x14 outputs, and the
+  // general one stages a plane per block at stride 2; larger stride-1 planes stage faster.
+  if (g.stride != 2 && g.Ho * g.Wo > 196) return false;
+  const int V = s == 2 && g.Wo % 8 == 0 ? 8 : g.Wo >= 4 ? 4 : g.Wo >= 2 ? 2 : 1;
+  const int64_t ngw = (g.Wo + V - 1) / V;
+  if (!fill_direct_args(g, ngw, g.N * g.K * g.Ho * ngw, plan.a)) return false;
+  plan.a.store_vec = V > 1 && g.Wo % V == 0 && opforge::cuda::is_aligned(op, static_cast<size_t>(V) * s);
+  plan.V = V;
+  return true;
+}
+
+bool plan_nhwc_direct(const Geometry& g, int s, int opmath_size, const void* xp, const void* op, NchwDirectPlan& plan,
+                      size_t& smem) {
+  // At stride 1 the staged kernel is 1.2-4x faster (the same sweep); at stride 2 the tiled
+  // general kernel's opmath stage costs more than the loads L1 serves here.
+  if (g.stride != 2 || g.mult != 1) return false;
+  smem = static_cast<size_t>(10) * g.C * opmath_size;
+  if (smem > kStageBudget) return false;
+  int V = 16 / s;
+  while (V > 1 && (g.C % V != 0 || !opforge::cuda::is_aligned(xp, static_cast<size_t>(V) * s) ||
+                   !opforge::cuda::is_aligned(op, static_cast<size_t>(V) * s)))
+    V /= 2;
+  const int64_t ngw = g.C / V;
+  if (!fill_direct_args(g, ngw, g.N * g.Ho * g.Wo * ngw, plan.a)) return false;
+  plan.a.store_vec = true;
+  plan.V = V;
+  return true;
 }
 
 bool plan_nchw_s1(const Geometry& g, int s, const void* xp, const void* op, bool per_channel, NchwS1Plan& plan) {
@@ -175,6 +225,14 @@ bool plan_nhwc_s1(const Geometry& g, int s, const void* xp, const void* op, int 
 int64_t rows_per_split_for(int64_t rows, int64_t col_blocks) {
   const int64_t want = std::min<int64_t>(65535, (8LL * opforge::cuda::sm_count() + col_blocks - 1) / col_blocks);
   return std::max<int64_t>(8, (rows + want - 1) / want);
+}
+
+bool depthwise_backward_prefers_cudnn(const Geometry& g, bool nhwc) {
+  // The H200 sweep (docs/ops/conv.md): at stride 2 these kernels ran at 0.44-0.85x cuDNN's
+  // backward on every NCHW layer of 2^21 elements and up, and at 0.20-1.0x on NHWC ones of 2^22 and up;
+  // below, the calls are host-bound and even.
+  const int64_t elements = g.N * g.C * g.H * g.W;
+  return g.stride == 2 && elements >= (int64_t{1} << (nhwc ? 22 : 21));
 }
 
 bool staged_s1_applies(const Geometry& g, bool nhwc, at::ScalarType dtype) {
