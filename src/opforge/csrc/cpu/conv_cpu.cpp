@@ -1,6 +1,6 @@
 // CPU entry points of the conv family.
 //
-// Depthwise (groups == C): direct loops (cpu/conv_kernels.h), vectorised
+// Depthwise (groups == C): direct loops (cpu/conv_dw_{nchw,nhwc}_kernels.h), vectorised
 // along W (NCHW) or along the channels (NHWC), parallel over planes / rows.
 // Dense (groups == 1): cpu/conv_dense_cpu.cpp (oneDNN, or im2col + GEMM).
 // Non-contiguous inputs take one .contiguous() in their suggested memory format.

@@ -1,6 +1,6 @@
 // Depthwise input gradient of a stride-2 convolution on the CPU (channel
 // multiplier 1, NCHW or NHWC), compiled once per ISA by conv_{default,avx2,
-// avx512}.cpp after cpu/conv_kernels.h; cpu/conv_cpu.cpp picks the ISA at run
+// avx512}.cpp (helpers: cpu/conv_vec.h); cpu/conv_cpu.cpp picks the ISA at run
 // time. (Stride 1 runs the forward's loop with the kernel flipped.)
 //
 // gx[n, c, ih, iw] = sum of g[n, c, oh, ow] * w[c, kh, kw] over 2 oh + kh =
@@ -26,7 +26,7 @@
 
 #include <opforge/dispatch.h>
 
-#include "cpu/conv_kernels.h"
+#include "cpu/conv_vec.h"
 #include "cpu/conv_params.h"
 
 namespace opforge::cpu::CPU_CAPABILITY {

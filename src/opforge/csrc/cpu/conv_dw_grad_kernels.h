@@ -1,6 +1,6 @@
 // Depthwise weight / bias gradients of the conv family on the CPU (channel
 // multiplier 1, stride 1 or 2), compiled once per ISA by conv_{default,avx2,
-// avx512}.cpp after cpu/conv_kernels.h; cpu/conv_cpu.cpp picks the ISA at run time.
+// avx512}.cpp (helpers: cpu/conv_vec.h); cpu/conv_cpu.cpp picks the ISA at run time.
 //
 // gw[c, kh, kw] = sum_{n, oh, ow} g[n, c, oh, ow] * x[n, c, S oh - pad + kh, S ow - pad + kw]
 // gb[c]         = sum_{n, oh, ow} g[n, c, oh, ow]
@@ -31,7 +31,7 @@
 
 #include <opforge/dispatch.h>
 
-#include "cpu/conv_kernels.h"
+#include "cpu/conv_vec.h"
 #include "cpu/conv_params.h"
 
 namespace opforge::cpu::CPU_CAPABILITY {
