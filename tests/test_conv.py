@@ -305,6 +305,42 @@ def test_backward_matches_torch(dtype, kind, stride, channels_last, device):
         torch.testing.assert_close(ours.cpu().double(), theirs, atol=atol * math.sqrt(terms), rtol=rtol)
 
 
+# NCHW depthwise layers of small output planes over many planes (N * C = 1536): on the
+# CPU the forward (7x7 and 14x14 outputs) and the backward (7x7 outputs; at stride 2
+# float32 only) run on oneDNN, the other dtypes and layouts on this library's loops.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("hw,stride", [(7, 1), (14, 1), (14, 2)])
+@pytest.mark.parametrize("padding", [0, 1])
+@pytest.mark.parametrize("activation", [None, "relu", "hardswish"])
+def test_depthwise_many_small_planes(dtype, hw, stride, padding, activation, device):
+    n, c = 4, 384
+    x = rand((n, c, hw, hw), dtype, device)
+    w, b = rand((c, 1, 3, 3), dtype, device), rand((c,), dtype, device)
+    x1, w1, b1 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    with poisoned(device):
+        out = opforge.conv2d_3x3(x1, w1, b1, stride, padding, c, activation)
+    assert out.is_contiguous()
+    x2, w2, b2 = (t.detach().double().cpu().requires_grad_() for t in (x, w, b))
+    z = F.conv2d(x2, w2, b2, stride, padding, 1, c)
+    ref = {None: z, "relu": torch.relu(z), "hardswish": F.hardswish(z)}[activation]
+    atol, rtol = TOLERANCES[dtype]
+    # Each output: 9 products and the bias, rounded once (twice for the half types' activations).
+    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), atol=atol * 2 * math.sqrt(10), rtol=2 * rtol)
+    g = rand(out.shape, dtype, device)
+    with poisoned(device):
+        out.backward(g)
+    # The activation's derivative at our own (rounded) pre-activation: a float64 one can sit on
+    # the other side of relu's 0 or hardswish's +-3.
+    ours_z = opforge.conv2d_3x3(x, w, b, stride, padding, c).detach().cpu().double().requires_grad_()
+    act = {None: lambda t: t, "relu": torch.relu, "hardswish": F.hardswish}[activation]
+    act(ours_z).backward(g.double().cpu())
+    z.backward(ours_z.grad)
+    terms = n * out.shape[2] * out.shape[3]
+    for ours, theirs, k in ((x1.grad, x2.grad, 9), (w1.grad, w2.grad, terms), (b1.grad, b2.grad, terms)):
+        assert ours.dtype == dtype and ours.shape == theirs.shape
+        torch.testing.assert_close(ours.cpu().double(), theirs, atol=atol * math.sqrt(k) * 2, rtol=2 * rtol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("padding", [0, 1])
 @pytest.mark.parametrize("relu", [False, True])

@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 
 import torch
 
 
-def time_ms(fn, reps=20, rounds=5) -> float:
+def time_ms(fn, reps=20, rounds=5, device="cuda") -> float:
+    """fn's median time per call in ms: CUDA events on the GPU, the host's clock on the CPU."""
     fn()
+    if device == "cpu":
+        out = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            out.append((time.perf_counter() - t0) * 1e3 / reps)
+        return statistics.median(out)
     torch.cuda.synchronize()
     out = []
     for _ in range(rounds):
@@ -24,10 +34,26 @@ def time_ms(fn, reps=20, rounds=5) -> float:
     return statistics.median(out)
 
 
-def copy_bandwidth_gbs() -> float:
-    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x))
+def time_pair_ms(ours, theirs, reps=5, rounds=7) -> tuple[float, float]:
+    """Both sides' median time per call in ms on the host's clock, taking turns round by round,
+    so that a drift of the machine's speed (the CPU's) does not favour the side timed first."""
+    ours(), theirs()
+    samples = ([], [])
+    for _ in range(rounds):
+        for fn, out in zip((ours, theirs), samples):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            out.append((time.perf_counter() - t0) * 1e3 / reps)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
+def copy_bandwidth_gbs(device="cuda") -> float:
+    """Read + write bandwidth of a 256 MB device copy (64 MB on the CPU, into a touched buffer)."""
+    x = torch.empty((256 if device == "cuda" else 64) * 2**20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x).fill_(0)
+    x.fill_(1)
+    ms = time_ms(lambda: y.copy_(x), device=device)
     return 2 * x.numel() / ms / 1e6
 
 
@@ -81,7 +107,8 @@ def run_recorded(name: str, run, args: tuple, cases: list, errors: list, **extra
     try:
         result = run(*args)
     except Exception as exc:
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         errors.append({"case": name, "error": str(exc).splitlines()[0]})
         print(f"FAILED {name}: {errors[-1]['error']}", flush=True)
         return

@@ -1,7 +1,9 @@
 // CPU entry points of the conv family.
 //
 // Depthwise (groups == C): direct loops (cpu/conv_dw_{nchw,nhwc}_kernels.h), vectorised
-// along W (NCHW) or along the channels (NHWC), parallel over planes / rows.
+// along W (NCHW) or along the channels (NHWC), parallel over planes / rows;
+// NCHW layers of small output planes over many planes go to oneDNN
+// (onednn_depthwise_pays).
 // Dense (groups == 1): cpu/conv_dense_cpu.cpp (oneDNN, or im2col + GEMM).
 // Non-contiguous inputs take one .contiguous() in their suggested memory format.
 // An unbatched (C, H, W) x runs as a batch of one.
@@ -37,9 +39,30 @@ using opforge::conv::Geometry;
 
 using opforge::conv::kBwdOp;
 using opforge::conv::kOp;
+// NCHW depthwise layers whose output rows have at most kOneDnnDwMaxWo columns, over
+// at least kOneDnnDwMinPlanes planes: the per-plane loops fill at most that many lanes
+// of each row vector, while oneDNN (after reordering to its channel-blocked layout)
+// fills every lane, which outweighs its fixed cost per call from that many planes
+// (float32 and bfloat16; tools/depthwise_sweep.py --device cpu, docs/ops/conv.md).
+constexpr int64_t kOneDnnDwMaxWo = 14;
+constexpr int64_t kOneDnnDwMinPlanes = 1536;
+
+bool onednn_depthwise_pays(const Geometry& g, bool nhwc, at::ScalarType dtype, int64_t max_wo) {
+  const bool dtype_ok = dtype == at::kFloat || dtype == at::kBFloat16;
+  return g.depthwise && !nhwc && g.mult == 1 && dtype_ok && g.Wo <= max_wo && g.N * g.C >= kOneDnnDwMinPlanes;
+}
+
 at::Tensor forward(const opforge::conv::ForwardOperands& o, const Geometry& g, opforge::Activation act) {
   if (g.N * opforge::conv::out_channels(g) * g.Ho * g.Wo == 0) return opforge::conv::empty_output_cpu(g, o);
   if (!g.depthwise) return opforge::conv::dense_forward_cpu(o, g, act);
+  if (onednn_depthwise_pays(g, o.nhwc, o.x.scalar_type(), kOneDnnDwMaxWo) && at::hasMKLDNN()) {
+    // ATen's convolution, as F.conv2d calls it (its oneDNN depthwise path, the bias fused).
+    const std::optional<at::Tensor> bias = o.bias.defined() ? std::optional<at::Tensor>(o.bias) : std::nullopt;
+    at::Tensor out =
+        at::convolution(o.x, o.w, bias, {g.stride, g.stride}, {g.pad, g.pad}, {1, 1}, false, {0, 0}, g.groups);
+    opforge::conv::activation_inplace(out, act);
+    return out.contiguous();
+  }
   at::Tensor out = opforge::conv::empty_output_cpu(g, o);
   opforge::conv::DwParams p{g.N,
                             g.C,
@@ -84,10 +107,14 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
 // the forward.)
 // float32 NHWC at stride 2 stays with oneDNN, up to 1.5x faster than these
 // loops there (0.87-1.52x over three shapes; its half-type and float64
-// paths were 10-35x slower).
+// paths were 10-35x slower), and so do NCHW layers of 7-column outputs over
+// many planes (as the forward's rule), but bfloat16 at stride 2, where
+// oneDNN's backward is over 10x slower than these loops.
 bool direct_depthwise_backward(const Geometry& g, const at::Tensor& x) {
   const bool nhwc = opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast;
-  return g.depthwise && g.mult == 1 && !(g.stride == 2 && nhwc && x.scalar_type() == at::kFloat);
+  const auto dtype = x.scalar_type();
+  if (onednn_depthwise_pays(g, nhwc, dtype, 7) && (g.stride == 1 || dtype == at::kFloat)) return false;
+  return g.depthwise && g.mult == 1 && !(g.stride == 2 && nhwc && dtype == at::kFloat);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const at::Tensor& grad_out,
