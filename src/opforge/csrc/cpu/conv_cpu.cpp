@@ -107,13 +107,13 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
 // the forward.)
 // float32 NHWC at stride 2 stays with oneDNN, up to 1.5x faster than these
 // loops there (0.87-1.52x over three shapes; its half-type and float64
-// paths were 10-35x slower), and so do NCHW layers of 7-column outputs over
-// many planes (as the forward's rule), but bfloat16 at stride 2, where
-// oneDNN's backward is over 10x slower than these loops.
+// paths were 10-35x slower), and so do float32 NCHW layers of 7-column
+// outputs over many planes (the forward's rule; the half types would run
+// ATen's backward in float32 here, slower than these loops).
 bool direct_depthwise_backward(const Geometry& g, const at::Tensor& x) {
   const bool nhwc = opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast;
   const auto dtype = x.scalar_type();
-  if (onednn_depthwise_pays(g, nhwc, dtype, 7) && (g.stride == 1 || dtype == at::kFloat)) return false;
+  if (onednn_depthwise_pays(g, nhwc, dtype, 7) && dtype == at::kFloat) return false;
   return g.depthwise && g.mult == 1 && !(g.stride == 2 && nhwc && dtype == at::kFloat);
 }
 
