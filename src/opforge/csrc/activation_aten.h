@@ -10,6 +10,10 @@
 
 namespace opforge {
 
+// ATen's CUDA hardswish multiplies by a float 1/6 (3e-8 relative error): float64 keeps its
+// precision through the composite, extra passes on a dtype that is not a fast path.
+inline bool hardswish_needs_composite(const at::Tensor& t) { return t.scalar_type() == at::kDouble && t.is_cuda(); }
+
 // act(t) in place.
 inline void activation_inplace_aten(at::Tensor& t, Activation act) {
   switch (act) {
@@ -20,7 +24,11 @@ inline void activation_inplace_aten(at::Tensor& t, Activation act) {
       at::hardtanh_(t, 0, 6);
       break;
     case Activation::Hardswish:
-      at::hardswish_(t);
+      if (hardswish_needs_composite(t)) {
+        t.mul_(at::clamp(at::add(t, 3), 0, 6)).div_(6);
+      } else {
+        at::hardswish_(t);
+      }
       break;
     case Activation::Silu:
       at::silu_(t);
@@ -28,6 +36,15 @@ inline void activation_inplace_aten(at::Tensor& t, Activation act) {
     default:
       break;
   }
+}
+
+// act(z) as a new tensor, z kept (what the backward of hardswish and silu reads).
+inline at::Tensor activation_aten(const at::Tensor& z, Activation act) {
+  if (act == Activation::Silu) return at::silu(z);
+  if (act == Activation::Hardswish && !hardswish_needs_composite(z)) return at::hardswish(z);
+  at::Tensor out = z.clone();
+  activation_inplace_aten(out, act);
+  return out;
 }
 
 // grad * act'(z), read from `saved`: the output for relu and relu6

@@ -11,6 +11,7 @@
 #include <opforge/autograd.h>
 #include <opforge/ops.h>
 
+#include "activation_aten.h"
 #include "conv.h"
 
 namespace {
@@ -33,7 +34,7 @@ struct Conv2d3x3Function : torch::autograd::Function<Conv2d3x3Function> {
       at::AutoDispatchBelowADInplaceOrView below;
       if (act == opforge::Activation::Hardswish || act == opforge::Activation::Silu) {
         saved = opforge::conv2d_3x3(x, w, bias, stride, padding, groups, std::nullopt);
-        out = act == opforge::Activation::Silu ? at::silu(saved) : at::hardswish(saved);
+        out = opforge::activation_aten(saved, act);
       } else {
         out = opforge::conv2d_3x3(x, w, bias, stride, padding, groups, activation);
         if (act != opforge::Activation::None) saved = out;

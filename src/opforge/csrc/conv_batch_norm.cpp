@@ -141,7 +141,7 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (keep_pre_act && !opforge::derivative_from_output(act) && act != Activation::None) {
     // The derivative reads the pre-activation: the activation writes a tensor of its own.
     r.pre_act = normed;
-    r.out = act == Activation::Silu ? at::silu(normed) : at::hardswish(normed);
+    r.out = opforge::activation_aten(normed, act);
   } else {
     opforge::activation_inplace_aten(normed, act);
     r.out = normed;

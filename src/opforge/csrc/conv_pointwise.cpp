@@ -9,6 +9,7 @@
 #include <opforge/autograd.h>
 #include <opforge/ops.h>
 
+#include "activation_aten.h"
 #include "conv_pointwise.h"
 
 TORCH_LIBRARY_FRAGMENT(opforge, m) {
@@ -80,7 +81,7 @@ struct Conv2d1x1Function : torch::autograd::Function<Conv2d1x1Function> {
       at::AutoDispatchBelowADInplaceOrView below;
       if (act == opforge::Activation::Hardswish || act == opforge::Activation::Silu) {
         saved = opforge::conv2d_1x1(x, w, bias, stride, std::nullopt);
-        out = act == opforge::Activation::Silu ? at::silu(saved) : at::hardswish(saved);
+        out = opforge::activation_aten(saved, act);
       } else {
         out = opforge::conv2d_1x1(x, w, bias, stride, activation);
         if (act != opforge::Activation::None) saved = out;
