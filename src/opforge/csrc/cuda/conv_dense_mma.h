@@ -1,5 +1,5 @@
 // Dense 3x3 and 1x1 convolution forward on tensor cores (implicit GEMM) with
-// the bias + activation epilogue fused. See conv_dense_mma.cu for the design.
+// the bias + activation epilogue fused. See conv_dense_mma_kernel.cuh for the design.
 #pragma once
 
 #include <ATen/core/Tensor.h>
