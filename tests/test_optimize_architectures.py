@@ -1,0 +1,68 @@
+"""opforge.optimize beyond the four benchmark models: architectures whose blocks differ.
+
+efficientnet_b0 (SiLU, squeeze-excitation, 5x5 depthwise), mnasnet0_5 (5x5
+depthwise, ReLU), regnet_y_400mf (grouped 3x3 convs, squeeze-excitation),
+shufflenet_v2_x0_5 (depthwise convs without activation, channel shuffle) and
+densenet121 (BatchNorm before its conv, concatenated inputs): with every layer
+opforge has a kernel for swapped (force=True), the outputs in eval mode and the
+gradients of one training step stay the original's, in both memory formats.
+"""
+
+import pytest
+import torch
+from reference import randomize_batchnorm
+
+import opforge
+
+torchvision = pytest.importorskip("torchvision")
+
+ARCHITECTURES = ["efficientnet_b0", "mnasnet0_5", "regnet_y_400mf", "shufflenet_v2_x0_5", "densenet121"]
+
+
+def _model(name, channels_last):
+    torch.manual_seed(0)
+    model = randomize_batchnorm(torchvision.models.get_model(name, weights=None, num_classes=10))
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0  # no random masks: both models see the same activations
+    return model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def _input(channels_last):
+    x = torch.randn(2, 3, 64, 64)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def _opforge_layers(model):
+    return [m for m in model.modules() if type(m).__module__.startswith("opforge.")]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_eval_outputs_with_every_layer_swapped(name, channels_last):
+    model = _model(name, channels_last).eval()
+    fast, report = opforge.optimize(model, report=True, force=True)
+    assert _opforge_layers(fast), str(report)
+    x = _input(channels_last)
+    with torch.no_grad():
+        ref = model(x)
+        out = fast(x)
+    torch.testing.assert_close(out, ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_training_step_gradients_with_every_layer_swapped(name, channels_last):
+    model = _model(name, channels_last).train()
+    fast = opforge.optimize(model, force=True)
+    assert _opforge_layers(fast)
+    x = _input(channels_last)
+    losses = [m(x).square().mean() for m in (model, fast)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], atol=0, rtol=1e-5)
+    # A gradient that cancels to near zero (densenet's first BatchNorm weight) is rounding noise
+    # relative to itself: the absolute floor scales with the model's largest gradient.
+    scale = max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None)
+    for (param, p), q in zip(model.named_parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5 * scale, rtol=1e-4, msg=lambda m, n=param: f"{n}: {m}")
