@@ -57,3 +57,44 @@ def test_merge_reads_back_what_was_written(tmp_path):
     bad.write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ValueError, match="not an opforge bench models result"):
         models_report.read_json(str(bad))
+
+
+def _fake_result(cell, eager_ms):
+    return models.CellResult(cell, {"eager": models.Timed(eager_ms, 0.0), "optimize": models.Timed(1.0, 1e-6)})
+
+
+def test_merge_keeps_the_last_result_of_a_cell(tmp_path):
+    a = models.Cell("mobilenet_v2", "cpu", "float32", 1, "nchw", "inference")
+    b = models.Cell("resnet18", "cpu", "float32", 1, "nchw", "inference")
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    models_report.write_json([_fake_result(a, 2.0), _fake_result(b, 5.0)], str(first), "cpu", {"torch": "x"})
+    models_report.write_json([_fake_result(a, 3.0)], str(second), "cpu", {"torch": "x"})
+    merged = tmp_path / "merged.json"
+    from opforge import cli
+
+    assert cli.main(["bench", "models", "--merge", str(first), str(second), "--json", str(merged)]) == 0
+    _, results = models_report.read_json(str(merged))
+    assert [r.cell.model for r in results] == ["mobilenet_v2", "resnet18"]
+    assert [r.providers["eager"].ms for r in results] == [3.0, 5.0]
+
+
+def test_json_is_written_after_every_cell(tmp_path, monkeypatch):
+    """A run stopped after its first cell leaves that cell in the --json file."""
+    done = []
+
+    def fake_run_cell(cell, calls, repeats, only=()):
+        if done:
+            raise KeyboardInterrupt
+        done.append(cell)
+        return _fake_result(cell, 2.0)
+
+    monkeypatch.setattr(models, "run_cell", fake_run_cell)
+    path = tmp_path / "run.json"
+    from opforge import cli
+
+    args = ["bench", "models", "--device", "cpu", "--models", "mobilenet_v2,resnet18", "--modes", "inference"]
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(args + ["--layouts", "nchw", "--json", str(path), "--no-progress"])
+    env, results = models_report.read_json(str(path))
+    assert [r.cell for r in results] == done and env["device"] == "cpu"
+    assert not (tmp_path / "run.json.tmp").exists()

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="JSON",
         default=None,
-        help="run nothing: merge the results of earlier --json files into one table (--json / --markdown / --plot)",
+        help="run nothing: merge the results of earlier --json files into one table (--json / --markdown / --plot); "
+        "a cell in several files keeps its result from the last of them",
     )
 
 
@@ -49,7 +50,7 @@ def wanted(args) -> bool:
 def run(args) -> int:
     import torch
 
-    from . import models, models_report
+    from . import machine, models, models_report
 
     if args.merge:
         return _merge(args, models_report)
@@ -73,14 +74,18 @@ def run(args) -> int:
         args.image,
     )
     calls, repeats = (3, 3) if args.quick else (10, 5)
+    load_at_start = machine.load_average()
     results = []
     for i, cell in enumerate(todo):
         if args.progress:
             print(f"[{i + 1}/{len(todo)}] {models_report.cell_label(cell)}", flush=True)
         results.append(models.run_cell(cell, calls, repeats, only=tuple(args.providers or ())))
+        if args.json:
+            # After every cell: a run cut short keeps the cells it finished.
+            models_report.write_json(results, args.json, device, machine.environment(device, load_at_start))
     print(models_report.table(results))
     if args.json:
-        models_report.write_json(results, args.json, device)
+        models_report.write_json(results, args.json, device, machine.environment(device, load_at_start))
         print(f"wrote {args.json}")
     if args.markdown:
         models_report.write_markdown(results, args.markdown, device)
@@ -90,13 +95,19 @@ def run(args) -> int:
 
 
 def _merge(args, models_report) -> int:
-    env, results = None, []
+    env, by_cell, replaced = None, {}, 0
     for path in args.merge:
         e, r = models_report.read_json(path)
         env = env or e
-        results += r
+        for result in r:
+            # A rerun of a cell replaces it in place: the table keeps the first file's order.
+            replaced += result.cell in by_cell
+            by_cell[result.cell] = result
+    results = list(by_cell.values())
     device = results[0].cell.device if results else "cpu"
     print(models_report.table(results))
+    if replaced:
+        print(f"{replaced} cell(s) measured again in a later file: the later result is kept")
     if args.json:
         models_report.write_json(results, args.json, device, env)
         print(f"wrote {args.json}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 from .machine import environment
@@ -76,7 +77,10 @@ def write_json(results: list[CellResult], path: str, device: str, env: dict | No
             for r in results
         ],
     }
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    # Written whole, then renamed: a run stopped mid-write leaves the previous file, never half of one.
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def write_markdown(results: list[CellResult], path: str, device: str, env: dict | None = None) -> None:
