@@ -1,4 +1,7 @@
-"""optimize's one model-level choice: an NCHW model on the CPU runs channels_last inside."""
+"""optimize's one model-level choice: an NCHW model runs channels_last inside (CPU and CUDA).
+
+On CUDA the float32 convolutions run without TF32 here, so both layouts compare at float32's
+tolerance."""
 
 import copy
 import io
@@ -50,10 +53,16 @@ def layouts_seen(model, x):
     return seen
 
 
-def test_faster_channels_last_is_taken_and_invisible_to_the_caller(monkeypatch):
+@pytest.fixture
+def no_tf32():
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        yield
+
+
+def test_faster_channels_last_is_taken_and_invisible_to_the_caller(monkeypatch, device, no_tf32):
     timings(monkeypatch, 5.0, 10.0)
-    model = randomize_batchnorm(torchvision.models.mobilenet_v2(num_classes=10)).eval()
-    x = torch.randn(1, 3, 64, 64)
+    model = randomize_batchnorm(torchvision.models.mobilenet_v2(num_classes=10)).eval().to(device)
+    x = torch.randn(1, 3, 64, 64, device=device)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
     assert optimize_layout.has_channels_last_hooks(fast)
     assert report.notes and "channels_last inside" in report.notes[0], str(report)
@@ -69,22 +78,23 @@ def test_faster_channels_last_is_taken_and_invisible_to_the_caller(monkeypatch):
     torch.testing.assert_close(out, ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
 
 
-def test_slower_channels_last_is_not_taken(monkeypatch):
+def test_slower_channels_last_is_not_taken(monkeypatch, device):
     timings(monkeypatch, 10.0, 10.0)  # a tie is not a win
-    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
-    x = torch.randn(1, 3, 32, 32)
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval().to(device)
+    x = torch.randn(1, 3, 32, 32, device=device)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
     assert not optimize_layout.has_channels_last_hooks(fast)
     assert "not faster" in report.notes[0]
     assert set(layouts_seen(fast, x)) == {"nchw"}
 
 
-def test_four_d_outputs_come_back_in_nchw(monkeypatch):
+def test_four_d_outputs_come_back_in_nchw(monkeypatch, device, no_tf32):
     timings(monkeypatch, 5.0, 10.0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1), randomize_batchnorm(torch.nn.BatchNorm2d(8)), torch.nn.ReLU()
     ).eval()
-    x = torch.randn(2, 3, 16, 16)
+    model = model.to(device)
+    x = torch.randn(2, 3, 16, 16, device=device)
     fast = opforge.optimize(model, example_inputs=(x,))
     assert optimize_layout.has_channels_last_hooks(fast)
     with torch.no_grad():
@@ -156,3 +166,19 @@ def test_hooked_model_copies_pickles_compiles_exports_and_reoptimizes(monkeypatc
         tol = dict(atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
         for other in (copy.deepcopy(fast), loaded, compiled, exported, again):
             torch.testing.assert_close(other(x), ref, **tol)
+
+
+def test_layouts_may_differ_by_rounding_not_by_values():
+    """The outputs check tolerates another algorithm's rounding, not a forward that reads NCHW strides."""
+    y = torch.randn(4, 10)
+    assert optimize_layout._same(y * (1 + 1e-6), y)
+    assert not optimize_layout._same(y.flip(1), y)
+    assert not optimize_layout._same(y.to(torch.float64), y)  # another dtype
+    half = y.to(torch.bfloat16)
+    assert optimize_layout._same(half, half.clone()) and not optimize_layout._same(half.flip(1), half)
+
+
+def test_the_cached_choice_is_per_device():
+    model = torch.nn.Conv2d(3, 8, 3)
+    key = optimize_layout._architecture(model, [torch.randn(1, 3, 8, 8)])
+    assert "cpu" in key[-1][0]
