@@ -182,3 +182,21 @@ def test_the_cached_choice_is_per_device():
     model = torch.nn.Conv2d(3, 8, 3)
     key = optimize_layout._architecture(model, [torch.randn(1, 3, 8, 8)])
     assert "cpu" in key[-1][0]
+
+
+@pytest.mark.cuda
+def test_traced_on_cuda_the_hooks_leave_the_layout_to_inductor():
+    x = torch.randn(2, 3, 8, 8, device="cuda")
+    model = torch.nn.Identity()
+
+    def hooked(t):
+        converted = optimize_layout.channels_last_inputs(model, (t,), {})
+        inside = converted[0][0] if converted is not None else t
+        back = optimize_layout.nchw_outputs(model, (t,), {}, inside)
+        return inside.is_contiguous(), (back if back is not None else inside).is_contiguous()
+
+    assert hooked(x) == (False, True)  # eager: channels_last inside, NCHW out
+    torch._dynamo.reset()
+    assert torch.compile(hooked, backend="eager", fullgraph=True)(x) == (True, True)
+    cpu = torch.randn(2, 3, 8, 8)
+    assert torch.compile(hooked, backend="eager", fullgraph=True)(cpu) == (False, True)  # the CPU keeps them
