@@ -25,6 +25,7 @@
 #include "conv.h"
 #include "cpu/conv_dense_cpu.h"
 #include "cpu/conv_params.h"
+#include "cpu/plane_transpose.h"
 
 OPFORGE_CPU_DECLARE(void, conv_dw_nchw, c10::ScalarType, const opforge::conv::DwParams&)
 OPFORGE_CPU_DECLARE(void, conv_dw_nhwc, c10::ScalarType, const opforge::conv::DwParams&)
@@ -46,6 +47,8 @@ using opforge::conv::kOp;
 // (float32 and bfloat16; tools/depthwise_sweep.py --device cpu, docs/ops/conv.md).
 constexpr int64_t kOneDnnDwMaxWo = 14;
 constexpr int64_t kOneDnnDwMinPlanes = 1536;
+// NCHW depthwise backward with output rows this narrow runs the NHWC loops (depthwise_backward_direct).
+constexpr int64_t kNhwcBackwardMaxWo = 7;
 
 bool onednn_depthwise_pays(const Geometry& g, bool nhwc, at::ScalarType dtype, int64_t max_wo) {
   const bool dtype_ok = dtype == at::kFloat || dtype == at::kBFloat16;
@@ -108,8 +111,9 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
 // float32 NHWC at stride 2 stays with oneDNN, up to 1.5x faster than these
 // loops there (0.87-1.52x over three shapes; its half-type and float64
 // paths were 10-35x slower), and so do float32 NCHW layers of 7-column
-// outputs over many planes (the forward's rule; the half types would run
-// ATen's backward in float32 here, slower than these loops).
+// outputs over many planes (the forward's rule; there oneDNN's backward beat
+// these loops, the NHWC ones on transposed copies included, by up to 2x at
+// batch 64).
 bool direct_depthwise_backward(const Geometry& g, const at::Tensor& x) {
   const bool nhwc = opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast;
   const auto dtype = x.scalar_type();
@@ -122,7 +126,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
                                                                          const at::Tensor& x_in, const at::Tensor& w_in,
                                                                          const Geometry& g, bool unbatched,
                                                                          std::array<bool, 3> want) {
-  const auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in, unbatched);
+  auto o = opforge::conv::backward_operands(grad_out, result, x_in, w_in, unbatched);
+  // NCHW planes of at most 7 output columns fill under half of a row vector, while the NHWC
+  // loops fill every lane along the channels: they run on channels_last copies of the operands,
+  // and grad x comes back in NCHW (the copies cost less than the lanes they fill). Not float32
+  // at stride 2, whose NHWC loops are the slow ones (see direct_depthwise_backward).
+  const bool via_nhwc = !o.nhwc && g.Wo <= kNhwcBackwardMaxWo && !(g.stride == 2 && o.x.scalar_type() == at::kFloat);
+  if (via_nhwc) {
+    constexpr auto cl = at::MemoryFormat::ChannelsLast;
+    o.x = opforge::conv::plane_transpose_copy(o.x, cl);
+    o.grad_out = opforge::conv::plane_transpose_copy(o.grad_out, cl);
+    if (o.result.defined()) o.result = opforge::conv::plane_transpose_copy(o.result, cl);
+    o.fmt = cl;
+    o.nhwc = true;
+  }
   const at::MemoryFormat fmt = o.fmt;
   const bool nhwc = o.nhwc;
   const at::Tensor &x = o.x, &w = o.w, &go = o.grad_out;
@@ -173,6 +190,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
   if (want[1] || want[2]) {
     (nhwc ? OPFORGE_CPU_SELECT(conv_dw_wgrad_nhwc) : OPFORGE_CPU_SELECT(conv_dw_wgrad_nchw))(dtype, p);
   }
+  if (via_nhwc && want[0]) gx = opforge::conv::plane_transpose_copy(gx, at::MemoryFormat::Contiguous);
   return {gx, gw, gb};
 }
 
