@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_isa import run_capped
 from reference import DTYPES, TOLERANCES, poisoned, rand
 
 import opforge
@@ -67,3 +68,39 @@ def test_narrow_planes_unbatched_and_strided_x(dtype, view, device):
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(leaf.grad.cpu().double(), leaf2.grad, atol=atol * 3, rtol=rtol)
     torch.testing.assert_close(w1.grad.cpu().double(), w2.grad, atol=atol * 10, rtol=rtol)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_narrow_planes_every_cpu_isa(capability):
+    """The transposes are separate machine code per ISA (register tiles where the ISA has them):
+    the narrow-plane backward and the bfloat16 forward over 1536 planes of 7 and 14 columns,
+    each against float64, with torch's CPU capability capped."""
+    code = """
+import math, torch, torch.nn.functional as F, opforge
+tols = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+for dtype, atol in tols.items():
+    for n, c, hw, s in ((2, 40, 7, 1), (3, 5, 13, 2), (2, 17, 9, 1)):
+        x = torch.randn(n, c, hw, hw, dtype=torch.float64).to(dtype)
+        w = torch.randn(c, 1, 3, 3, dtype=torch.float64).to(dtype)
+        y = opforge.conv2d_3x3(x, w, None, s, 1, c, "relu")
+        g = torch.randn(y.shape, dtype=torch.float64).to(dtype)
+        ours = torch.ops.opforge._conv2d_3x3_backward(g, y, x, w, s, 1, c, [True, True, False])
+        assert ours[0].is_contiguous()
+        xd, wd = (t.double().requires_grad_() for t in (x, w))
+        F.conv2d(xd, wd, None, s, 1, 1, c).backward(g.double() * (y.double() > 0))
+        terms = n * y.shape[2] * y.shape[3]
+        for o, r, k in ((ours[0], xd.grad, 9), (ours[1], wd.grad, terms)):
+            err = (o.double() - r).abs().max().item()
+            tol = atol * math.sqrt(k) * 2 + 2.0**-8 * r.abs().max().item() * (dtype == torch.bfloat16)
+            assert err <= tol, (dtype, n, c, hw, s, err, tol)
+for hw in (7, 14):
+    x = torch.randn(4, 384, hw, hw, dtype=torch.float64)
+    w, b = torch.randn(384, 1, 3, 3, dtype=torch.float64), torch.randn(384, dtype=torch.float64)
+    y = opforge.conv2d_3x3(x.bfloat16(), w.bfloat16(), b.bfloat16(), 1, 1, 384, "relu")
+    ref = F.relu(F.conv2d(x.bfloat16().double(), w.bfloat16().double(), b.bfloat16().double(), 1, 1, 1, 384))
+    assert y.is_contiguous() and y.dtype == torch.bfloat16
+    err = (y.double() - ref).abs().max().item()
+    assert err <= 2.0**-8 * ref.abs().max().item() * 2, (hw, err)
+print("ok")
+"""
+    run_capped(capability, code)

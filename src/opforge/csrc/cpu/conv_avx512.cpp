@@ -5,3 +5,4 @@
 #include "cpu/conv_kernels.h"
 #include "cpu/conv_dw_dgrad_kernels.h"
 #include "cpu/conv_dw_grad_kernels.h"
+#include "cpu/plane_transpose_kernels.h"
