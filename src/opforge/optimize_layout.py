@@ -18,8 +18,8 @@ and it times at least 3% faster than the original on the example inputs,
 with torch's own layers, before any layer is replaced. The timing is cached
 per process, by the model's architecture and the inputs' shapes and device.
 Under torch.compile on CUDA the hooks do nothing: inductor chooses the
-layout of a traced graph (on the CPU they stay, and compiled NCHW models
-measured faster with them).
+layout of a traced graph. On the CPU they stay traced (compiled NCHW
+models of the CPU table, hooks traced, measured 1.22-1.46x plain compile).
 """
 
 from __future__ import annotations
