@@ -42,8 +42,9 @@ def layouts_seen(model, x):
 
     def hook(module, args):
         if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 and args[0].shape[1] > 1:
-            cl = args[0].is_contiguous(memory_format=torch.channels_last) and not args[0].is_contiguous()
-            seen.append("cl" if cl else "nchw")
+            cl = args[0].is_contiguous(memory_format=torch.channels_last)
+            if cl != args[0].is_contiguous():  # a 1x1 plane is both
+                seen.append("cl" if cl else "nchw")
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if not list(m.children())]
     with torch.no_grad():
@@ -126,7 +127,7 @@ def test_a_model_that_needs_nchw_strides_keeps_nchw(monkeypatch):
         torch.testing.assert_close(fast(x), model(x))
 
 
-def test_not_considered_for_channels_last_inputs_training_or_no_example(monkeypatch):
+def test_not_considered_for_channels_last_inputs_or_no_example(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("no model-level timing expected")
 
@@ -135,7 +136,6 @@ def test_not_considered_for_channels_last_inputs_training_or_no_example(monkeypa
     x = torch.randn(2, 3, 8, 8)
     cases = [
         (model, (x.contiguous(memory_format=torch.channels_last),)),  # already channels_last
-        (copy.deepcopy(model).train(), (x,)),  # training mode
         (torch.nn.Linear(3, 3).eval(), (torch.randn(2, 3),)),  # no 4-d input
     ]
     for m, inputs in cases:
@@ -143,6 +143,73 @@ def test_not_considered_for_channels_last_inputs_training_or_no_example(monkeypa
         assert not optimize_layout.has_channels_last_hooks(fast) and not report.notes
     fast = opforge.optimize(model)  # without example inputs nothing is timed
     assert not optimize_layout.has_channels_last_hooks(fast)
+
+
+def smooth_net(device):
+    """conv -> BatchNorm -> SiLU blocks (dense, depthwise, 1x1) and a dropout: no ReLU or max pool,
+    whose kinks let float32 rounding flip a gradient's path (torch's own float32 step is then off
+    its float64 one by up to 5e-2 of a gradient, in either layout)."""
+    blocks = []
+    layers = ((3, 32, 3, 1, 2), (32, 32, 3, 32, 1), (32, 64, 1, 1, 1), (64, 64, 3, 1, 1))
+    for cin, cout, kernel, groups, stride in layers:
+        conv = torch.nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False)
+        blocks += [conv, torch.nn.BatchNorm2d(cout), torch.nn.SiLU()]
+    head = [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Dropout(0.5), torch.nn.Linear(64, 10)]
+    return randomize_batchnorm(torch.nn.Sequential(*blocks, *head)).to(device).train()
+
+
+def test_training_model_runs_channels_last_inside_with_the_same_step(monkeypatch, device, no_tf32):
+    """In training mode the choice is timed on a copy: the model's statistics, gradients and the
+    caller's random stream stay as they were, and a step of the hooked model is the original's."""
+    timings(monkeypatch, 5.0, 10.0)
+    model = smooth_net(device)
+    x = torch.randn(8, 3, 32, 32, device=device)
+    before = copy.deepcopy(model.state_dict())
+    torch.manual_seed(7)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True, inplace=True)
+    drawn = torch.rand(4, device=device)
+    torch.manual_seed(7)
+    assert torch.equal(drawn, torch.rand(4, device=device))  # the caller's random stream is untouched
+    assert fast is model and optimize_layout.has_channels_last_hooks(fast)
+    assert "channels_last inside" in report.notes[0] and "forward + backward" in report.notes[0], str(report)
+    for name, value in fast.state_dict().items():  # statistics and counters as they were
+        assert torch.equal(value, before[name]), name
+    assert all(p.grad is None for p in fast.parameters())
+    for p in fast.parameters():  # the parameters keep their memory format
+        assert p.is_contiguous()
+
+    reference = smooth_net(device)
+    reference.load_state_dict(before)
+    reference.double()
+    losses = []
+    for m, inputs in ((reference, x.double()), (fast, x)):
+        torch.manual_seed(3)
+        loss = m(inputs).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0].float(), atol=1e-5, rtol=1e-4)
+    grads = dict(reference.named_parameters())
+    for name, p in fast.named_parameters():
+        ref = grads[name].grad.float()
+        assert p.grad.shape == ref.shape and p.grad.is_contiguous(), name
+        torch.testing.assert_close(p.grad, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
+    assert set(layouts_seen(fast.eval(), x)) == {"cl"}
+
+
+def test_training_choice_times_forward_and_backward(monkeypatch):
+    """The timed call of a training model runs its backward (gradients appear, then are dropped)."""
+    monkeypatch.setattr(optimize_layout, "_timings", {})
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).train()
+    probe = copy.deepcopy(model)
+    backwards = []
+    probe[0].weight.register_hook(lambda g: backwards.append(g.shape))
+    call = optimize_layout._one_call(probe, (torch.randn(2, 3, 8, 8),))
+    out = call()
+    assert backwards == [probe[0].weight.shape] and not out.requires_grad
+    assert probe[0].weight.grad is None  # dropped after each timed call
+    calls_before = len(backwards)
+    optimize_layout._one_call(probe.eval(), (torch.randn(2, 3, 8, 8),))()
+    assert len(backwards) == calls_before  # eval: a forward only
 
 
 def test_hooked_model_copies_pickles_compiles_exports_and_reoptimizes(monkeypatch):

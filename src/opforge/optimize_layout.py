@@ -11,18 +11,24 @@ forward hook converts 4-d outputs back, so the caller sees NCHW in and NCHW
 out, the parameters keep their memory format, and the values are the same
 (within the rounding of another convolution algorithm).
 
-It is taken only where it is measured: CPU or CUDA, eval mode, 4-d NCHW
-example inputs on one device, the hooked model gives the original's outputs
-(a ``.view()`` that needs NCHW strides raises, and the choice is dropped),
-and it times at least 3% faster than the original on the example inputs,
-with torch's own layers, before any layer is replaced. The timing is cached
-per process, by the model's architecture and the inputs' shapes and device.
+It is taken only where it is measured: CPU or CUDA, 4-d NCHW example
+inputs on one device, the hooked model gives the original's outputs (a
+``.view()`` that needs NCHW strides raises, and the choice is dropped), and
+it times at least 3% faster than the original on the example inputs, with
+torch's own layers, before any layer is replaced. In eval mode the timing is
+of a forward; in training mode of a forward and a backward, on a copy of the
+model, so that the model's BatchNorm statistics and gradients stay as they
+were (and the caller's random stream too). The timing is cached per
+process, by the model's architecture and mode and the inputs' shapes and
+device.
 Under torch.compile on CUDA the hooks do nothing: inductor chooses the
 layout of a traced graph. On the CPU they stay traced (compiled NCHW
 models of the CPU table, hooks traced, measured 1.22-1.46x plain compile).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch.utils._pytree import tree_map
@@ -78,10 +84,14 @@ def _install(model: torch.nn.Module) -> list:
     ]
 
 
-def _drift(t: torch.Tensor) -> float:
+def _drift(t: torch.Tensor, training: bool = False) -> float:
     """How far one model's outputs may move between the two layouts: their convolutions run other
     algorithms (other summation orders), and on CUDA a float32 conv may multiply in TF32 (10-bit
-    operands). A forward that depends on NCHW strides gives other values, far outside this."""
+    operands). In training, BatchNorm divides by the batch's own variances, which over a small
+    batch and plane magnify those roundings (5e-4 of the scale: mobilenet_v2, batch 4, 32x32).
+    A forward that depends on NCHW strides gives other values, far outside this."""
+    if training:
+        return max(_drift(t), 1e-2)
     if t.dtype in (torch.float16, torch.bfloat16):
         return 5e-2 if t.is_cuda else 1e-3
     if t.dtype == torch.float32 and t.is_cuda:
@@ -89,7 +99,7 @@ def _drift(t: torch.Tensor) -> float:
     return 1e-5
 
 
-def _same(a, b) -> bool:
+def _same(a, b, training: bool = False) -> bool:
     flat_a, flat_b = torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)
     if len(flat_a) != len(flat_b):
         return False
@@ -99,7 +109,7 @@ def _same(a, b) -> bool:
         if isinstance(x, torch.Tensor):
             if x.shape != y.shape or x.dtype != y.dtype or x.stride() != y.stride():
                 return False
-            tol = _drift(x)
+            tol = _drift(x, training)
             scale = y.abs().max().item() if y.numel() and y.is_floating_point() else 1.0
             if not torch.allclose(x, y, atol=tol * (scale + 1), rtol=tol):
                 return False
@@ -119,43 +129,77 @@ def _architecture(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple:
     return (type(model).__qualname__, modules, params, inputs)
 
 
+def _one_call(model: torch.nn.Module, example_inputs: tuple):
+    """What the choice times, in the model's mode: eval, a forward under no_grad; training, a forward
+    and the backward of its outputs' sum (a training step less the optimizer), gradients dropped."""
+    if not model.training:
+
+        def forward():
+            with torch.no_grad():
+                return model(*example_inputs)
+
+        return forward
+
+    def forward_backward():
+        out = model(*example_inputs)
+        leaves = torch.utils._pytree.tree_leaves(out)
+        losses = [t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if losses:
+            torch.autograd.backward(losses)
+        model.zero_grad(set_to_none=True)
+        return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+    return forward_backward
+
+
+def _seeded(fn, device: torch.device):
+    """fn's result with the random stream seeded alike for every call (dropout draws the same masks
+    in both layouts), the caller's stream left as it was."""
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
+        return fn()
+
+
 def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple[bool, str]:
     """Install the hooks on ``model`` where they pay (see the module's docs); (installed, why)."""
     if has_channels_last_hooks(model):
         return True, "already runs channels_last inside"
     batches = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    if model.training or not batches or any(t.device != batches[0].device for t in batches):
+    if not batches or any(t.device != batches[0].device for t in batches):
         return False, ""
-    if batches[0].device.type not in ("cpu", "cuda"):
+    device = batches[0].device
+    if device.type not in ("cpu", "cuda") or not any(_is_nchw_batch(t) for t in batches):
         return False, ""
-    if not any(_is_nchw_batch(t) for t in batches):
+    # A training model is timed as a copy: its steps change BatchNorm statistics and gradients.
+    probe = copy.deepcopy(model) if model.training else model
+    call = _one_call(probe, example_inputs)
+    try:
+        plain = _seeded(call, device)
+    except Exception:  # noqa: BLE001 - the model's own error surfaces where the caller runs it
         return False, ""
-    with torch.no_grad():
-        try:
-            plain = model(*example_inputs)
-        except Exception:  # noqa: BLE001 - the model's own error surfaces where the caller runs it
-            return False, ""
-        handles = _install(model)
-        try:
-            hooked = model(*example_inputs)
-            if not _same(hooked, plain):
-                raise RuntimeError("outputs differ")
-        except Exception as e:  # noqa: BLE001 - e.g. a .view() that needs NCHW strides
-            for h in handles:
-                h.remove()
-            return False, f"NCHW kept: the model does not run channels_last inside ({str(e)[:80]})"
-        key = _architecture(model, batches)
-        if key not in _timings:
-            inside_us = _median_us(lambda: model(*example_inputs), batches[0].device, calls=3, repeats=5)
-            for h in handles:
-                h.remove()
-            nchw_us = _median_us(lambda: model(*example_inputs), batches[0].device, calls=3, repeats=5)
-            _timings[key] = (inside_us, nchw_us)
-        else:
-            for h in handles:
-                h.remove()
-        inside_us, nchw_us = _timings[key]
-    times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, torch's layers"
+    handles = _install(probe)
+    try:
+        hooked = _seeded(call, device)
+        if not _same(hooked, plain, model.training):
+            raise RuntimeError("outputs differ")
+    except Exception as e:  # noqa: BLE001 - e.g. a .view() that needs NCHW strides
+        for h in handles:
+            h.remove()
+        return False, f"NCHW kept: the model does not run channels_last inside ({str(e)[:80]})"
+    key = (_architecture(model, batches), model.training)
+    if key not in _timings:
+        inside_us = _seeded(lambda: _median_us(call, device, calls=3, repeats=5), device)
+        for h in handles:
+            h.remove()
+        nchw_us = _seeded(lambda: _median_us(call, device, calls=3, repeats=5), device)
+        _timings[key] = (inside_us, nchw_us)
+    else:
+        for h in handles:
+            h.remove()
+    inside_us, nchw_us = _timings[key]
+    what = "forward + backward" if model.training else "forward"
+    times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, {what}, torch's layers"
     if inside_us * _MARGIN > nchw_us:
         return False, f"NCHW kept: channels_last inside is not faster ({times})"
     _install(model)
