@@ -116,6 +116,24 @@ def _same(a, b, training: bool = False) -> bool:
     return True
 
 
+def _same_in_float32(model: torch.nn.Module, example_inputs: tuple, device: torch.device) -> bool:
+    """For a half-type training model: its two layouts' outputs compared on a float32 copy. A
+    half-type step moves its outputs by up to 8e-2 of their scale between the layouts (resnet50,
+    bfloat16, batch 64: BatchNorm over batch statistics, 53 times), more than the check can allow;
+    in float32 rounding is far below it, and a forward that reads NCHW strides stands out as in
+    any dtype."""
+    if not model.training or not any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
+        return False
+    wide = copy.deepcopy(model).float()
+    inputs = tree_map(
+        lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, example_inputs
+    )
+    call = _one_call(wide, inputs)
+    plain = _seeded(call, device)
+    _install(wide)
+    return _same(_seeded(call, device), plain, training=True)
+
+
 # The two timings per model architecture and input, for the process: optimizing one model twice
 # makes one choice, so that two optimized copies share a state_dict layout (as the layers' cache does).
 _timings: dict[tuple, tuple[float, float]] = {}
@@ -181,7 +199,7 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
     handles = _install(probe)
     try:
         hooked = _seeded(call, device)
-        if not _same(hooked, plain, model.training):
+        if not _same(hooked, plain, model.training) and not _same_in_float32(model, example_inputs, device):
             raise RuntimeError("outputs differ")
     except Exception as e:  # noqa: BLE001 - e.g. a .view() that needs NCHW strides
         for h in handles:
