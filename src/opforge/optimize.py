@@ -30,9 +30,9 @@ trace):
   gets a copy per call, and each ``conv [-> BatchNorm] -> add(shortcut) ->
   activation`` tail becomes one ``opforge.nn.ConvResidual`` on the engine
   that times fastest.
-- An eval-mode model called with NCHW batches (CPU or CUDA) runs
-  channels_last inside (``optimize_layout``: a hook converts the inputs once
-  and the 4-d outputs back) where that measures faster with torch's own
+- A model called with NCHW batches (CPU or CUDA; eval or training mode)
+  runs channels_last inside (``optimize_layout``: a hook converts the inputs
+  once and the 4-d outputs back) where that measures faster with torch's own
   layers.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
   opforge's op only where that op is also faster than what inductor makes of
