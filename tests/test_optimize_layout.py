@@ -5,6 +5,7 @@ tolerance."""
 
 import copy
 import io
+import threading
 
 import pytest
 import torch
@@ -223,6 +224,24 @@ def test_half_type_training_models_compare_layouts_in_float32(monkeypatch):
     inputs = (torch.randn(4, 3, 16, 16, dtype=torch.bfloat16),)
     assert optimize_layout._same_in_float32(right, inputs, torch.device("cpu"))
     assert not optimize_layout._same_in_float32(right.eval(), inputs, torch.device("cpu"))  # training only
+
+
+class HoldsALock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.lock = threading.Lock()  # deepcopy cannot copy it
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+def test_a_training_model_that_does_not_copy_keeps_nchw(monkeypatch):
+    timings(monkeypatch, 5.0, 10.0)
+    model = HoldsALock().train()
+    fast, report = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 8, 8),), inplace=True, report=True)
+    assert fast is model and not optimize_layout.has_channels_last_hooks(fast)
+    assert "does not copy" in report.notes[0], str(report)
 
 
 def test_training_choice_times_forward_and_backward(monkeypatch):

@@ -190,7 +190,10 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
     if device.type not in ("cpu", "cuda") or not any(_is_nchw_batch(t) for t in batches):
         return False, ""
     # A training model is timed as a copy: its steps change BatchNorm statistics and gradients.
-    probe = copy.deepcopy(model) if model.training else model
+    try:
+        probe = copy.deepcopy(model) if model.training else model
+    except Exception as e:  # noqa: BLE001 - e.g. a lock or a handle among the model's attributes
+        return False, f"NCHW kept: a training model is timed on a copy, and this one does not copy ({str(e)[:80]})"
     call = _one_call(probe, example_inputs)
     try:
         plain = _seeded(call, device)
