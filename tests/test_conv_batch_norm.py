@@ -13,6 +13,7 @@ from reference import poisoned, randomize_batchnorm
 
 import opforge
 from opforge import optimize_layout
+from opforge.ops.conv_batch_norm import why_not_own_engine
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -300,13 +301,34 @@ def step(model, x):
 
 @pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_large", "resnet18"])
 def test_optimize_training_step_equals_original(name):
+    # Without example_inputs every chain gets the op, untimed: on the CPU it runs ATen's kernels.
     model = train_model(name)
     x = torch.randn(2, 3, 64, 64)
-    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    fast, report = opforge.optimize(model, report=True)
     fused = [m for m in fast.modules() if isinstance(m, opforge.nn.ConvBatchNorm2d)]
     chains = sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
     assert len(fused) == chains  # every BatchNorm of these models follows a conv
     assert sum("as one op" in layer.action for layer in report.layers) == len(fused)
+    assert list(fast.state_dict()) == list(model.state_dict())
+    for _ in range(2):
+        assert torch.equal(step(fast, x), step(model, x))
+    for (k, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
+def test_timed_training_chains_stay_modules_where_the_op_runs_aten(name):
+    """With example_inputs, a chain whose conv output opforge's own engine would not take (here, on
+    the CPU) keeps torch's modules: the op would run their kernels, behind one more call."""
+    model = train_model(name)
+    x = torch.randn(2, 3, 64, 64)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert not any(isinstance(m, (opforge.nn.ConvBatchNorm2d, opforge.nn.BatchNormInConv)) for m in fast.modules())
+    chains = [layer for layer in report.layers if "BatchNorm2d" in layer.pattern]
+    assert len(chains) == sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    for layer in chains:
+        assert layer.action == "left", layer
+        assert "would run ATen's kernels here (on the CPU)" in layer.reason, layer
     # The timing on example_inputs leaves no gradient behind, and names are the original's.
     assert all(p.grad is None for p in fast.parameters())
     assert list(fast.state_dict()) == list(model.state_dict())
@@ -316,6 +338,26 @@ def test_optimize_training_step_equals_original(name):
         assert torch.equal(step(fast, x), step(model, x))
     for (k, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_why_not_own_engine_names_the_reason():
+    bn = torch.nn.BatchNorm2d(4)
+    y = torch.randn(2, 4, 3, 3)
+    assert why_not_own_engine(y, bn) == "on the CPU"
+    assert why_not_own_engine(y.contiguous(memory_format=torch.channels_last), bn) == "on the CPU"
+
+
+@pytest.mark.cuda
+def test_why_not_own_engine_on_cuda():
+    bn = torch.nn.BatchNorm2d(4).cuda()
+    y = torch.randn(2, 4, 3, 3, device="cuda")
+    cl = y.contiguous(memory_format=torch.channels_last)
+    assert why_not_own_engine(cl, bn) == ""
+    assert why_not_own_engine(cl.bfloat16(), bn) == ""  # float32 BatchNorm tensors with a half-type output
+    assert why_not_own_engine(y, bn) == "an NCHW conv output"
+    assert why_not_own_engine(cl.double(), copy.deepcopy(bn).double()) == "float64"
+    assert why_not_own_engine(cl[:1, :, :1, :1], bn) == "one value per channel"
+    assert why_not_own_engine(cl.half(), copy.deepcopy(bn).double()) == "BatchNorm tensors of another dtype or device"
 
 
 def test_optimized_training_model_evaluates_as_original():

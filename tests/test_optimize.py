@@ -7,7 +7,6 @@ import torch
 from reference import randomize_batchnorm
 
 import opforge
-from opforge import optimize_layout
 from opforge.optimize_fold import folded_weight_and_bias
 
 torchvision = pytest.importorskip("torchvision")
@@ -182,10 +181,8 @@ def test_compiled_training_model_traces_as_the_original(name):
     torch.manual_seed(0)
     model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=4)).train()
     x = torch.randn(2, 3, 32, 32)
-    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    fast, report = opforge.optimize(model, report=True)  # untimed: every chain is one op
     assert any("as one op" in r.action for r in report.layers)
-    if optimize_layout.has_channels_last_hooks(fast):  # traced on the CPU: the same layout's ops
-        optimize_layout._install(model)
     assert traced_ops(fast, x) == traced_ops(model, x)
 
 

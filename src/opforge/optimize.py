@@ -8,7 +8,12 @@ trace):
   conv's weight and bias (any conv) and becomes ``nn.Identity``. With
   ``example_inputs`` the folded conv is timed against the pair and kept
   unless it is slower (an engine that adds the new bias as a pass of its own
-  can lose what the BatchNorm's pass cost). Training mode never folds.
+  can lose what the BatchNorm's pass cost). Training mode never folds:
+  there the chain ``Conv2d -> BatchNorm2d [-> activation]`` becomes one
+  ``opforge.nn.ConvBatchNorm2d`` (one op call, one autograd node); with
+  ``example_inputs`` only where the op's own CUDA batch norm engine takes
+  the conv's output (channels_last), since elsewhere it runs the modules'
+  own ATen kernels.
 - a conv opforge supports, with the activation after it (ReLU, ReLU6,
   Hardswish, SiLU; any other is left as it is): a 3x3 conv (dense or
   depthwise, stride 1 or 2, padding 0 or 1, dilation 1, zero padding) as one
@@ -52,6 +57,7 @@ import copy
 import torch
 
 from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
+from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
@@ -118,7 +124,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     kept = (conv, bn) if bn is not None else (conv,)
     target, fold_note = conv, ""
     if bn is not None and (conv.training or bn.training):
-        return _train_chain(model, chain, conv, bn, act, pattern)
+        return _train_chain(model, chain, conv, bn, act, pattern, x if timed else None)
     if bn is not None:
         target = folded_conv(conv, bn)
         pays, why = folding_pays(conv, bn, target, x) if timed else (True, "")
@@ -182,13 +188,17 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
 
 
-def _train_chain(model, chain: Chain, conv, bn, act, pattern: str) -> LayerReport:
-    """A training-mode conv -> BatchNorm [-> activation] as one ``ConvBatchNorm2d`` where it can be.
+def _train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tensor | None) -> LayerReport:
+    """A training-mode conv -> BatchNorm [-> activation] as one ``ConvBatchNorm2d`` where it pays.
 
-    Not timed: the op saves two module calls and two autograd nodes, and its
-    own CUDA batch norm engine (channels_last) the host time of ATen's and
-    the activation's passes, which outweigh the few microseconds of GPU time
-    it loses on some small layers (measured per layer: docs/ops/conv_batch_norm.md)."""
+    The op pays on its own CUDA batch norm engine (channels_last conv
+    outputs): it saves the host time of ATen's batch norm and of the
+    activation's passes, which outweighs the few microseconds of GPU time it
+    loses on some small layers (docs/ops/conv_batch_norm.md). Elsewhere it
+    runs ATen's kernels, as the modules do, and its one call measured no
+    faster than their three; so with ``example_inputs`` (``x``, the conv's
+    input) the modules stay wherever the engine would not take the layer.
+    Without them the op is put in untimed and picks its engine per call."""
     why = "training mode: BatchNorm is not folded"
     if type(conv) is not torch.nn.Conv2d or type(bn) is not torch.nn.BatchNorm2d or not bn.training:
         return LayerReport(chain.conv, pattern, "left", f"{why}; not a plain Conv2d and training BatchNorm2d")
@@ -196,6 +206,20 @@ def _train_chain(model, chain: Chain, conv, bn, act, pattern: str) -> LayerRepor
         return LayerReport(chain.conv, pattern, "left", f"{why}; momentum=None (a cumulative average) is kept")
     if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         return LayerReport(chain.conv, pattern, "left", f"{why}; padding_mode or string padding is kept")
+    how = "not timed"
+    if x is not None:
+        with torch.no_grad():
+            conv_out = conv(x)
+        where = why_not_own_engine(conv_out, bn)
+        if where:
+            return LayerReport(
+                chain.conv,
+                pattern,
+                "left",
+                f"{why}; opforge.conv2d_batch_norm would run ATen's kernels here ({where}), as the modules do, "
+                "and its one call is no faster than their three",
+            )
+        how = "opforge's batch norm engine on this channels_last conv output"
     act_name = _FUSABLE_ACTIVATIONS.get(type(act))
     batch_norm = BatchNormInConv.of(bn)
     _set(model, chain.conv, ConvBatchNorm2d.of(conv, batch_norm, act_name))
@@ -207,7 +231,7 @@ def _train_chain(model, chain: Chain, conv, bn, act, pattern: str) -> LayerRepor
         chain.conv,
         pattern,
         action,
-        f"{why}; opforge.conv2d_batch_norm: one call and one autograd node (not timed)",
+        f"{why}; opforge.conv2d_batch_norm: one call and one autograd node ({how})",
     )
 
 

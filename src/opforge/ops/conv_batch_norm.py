@@ -88,3 +88,34 @@ def conv2d_batch_norm(
         eps,
         activation,
     )
+
+
+# The dtypes of a conv output that opforge's own CUDA batch norm engine takes.
+_OWN_ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def why_not_own_engine(conv_out: torch.Tensor, bn: torch.nn.BatchNorm2d) -> str:
+    """Why ``conv2d_batch_norm`` would run ``bn`` on ``conv_out`` with ATen's kernels, in a few
+    words; "" where it runs opforge's own CUDA engine.
+
+    The rule of ``cuda_engine_takes`` (csrc/cuda/batch_norm_act.cu): a 4-d
+    channels_last CUDA tensor of float32, float16 or bfloat16 with more than
+    one value per channel, and BatchNorm tensors on its device, contiguous,
+    all of one dtype (its own or float32), in a build with CUDA kernels."""
+    y = conv_out
+    if not y.is_cuda:
+        return f"on the {y.device.type.upper()}"
+    if y.dtype not in _OWN_ENGINE_DTYPES:
+        return str(y.dtype).removeprefix("torch.")
+    if y.dim() != 4 or not y.is_contiguous(memory_format=torch.channels_last):
+        return "an NCHW conv output"
+    if y.numel() == 0 or y.numel() // y.size(1) < 2:
+        return "one value per channel"
+    params = [t for t in (bn.weight, bn.bias, bn.running_mean) if t is not None]
+    if any(t.device != y.device or not t.is_contiguous() or t.dtype not in (y.dtype, torch.float32) for t in params):
+        return "BatchNorm tensors of another dtype or device"
+    if len({t.dtype for t in params}) > 1:
+        return "BatchNorm tensors of mixed dtypes"
+    from .._loader import build_info
+
+    return "" if build_info().get("cuda", "none") != "none" else "a build without CUDA kernels"
