@@ -277,11 +277,11 @@ def test_blocks_with_hooks_are_left_and_attributes_stay_readable():
     model = torchvision.models.resnet18(num_classes=10).train()
     calls = []
     model.layer4[1].register_forward_hook(lambda *args: calls.append(1))
-    fast = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),))
+    fast = opforge.optimize(model)  # untimed: every chain is one op, so the blocks stay rewritten
     assert type(fast.layer4[1]) is type(model.layer4[1])
     assert type(fast.layer4[0]) is not type(model.layer4[0])  # rewritten: its ReLU is split per call
     assert fast.layer2[0].stride == model.layer2[0].stride == 2
-    before = len(calls)  # optimize's own runs of example_inputs call it too
+    before = len(calls)  # optimize's trace of the model calls it too
     fast(torch.randn(2, 3, 32, 32))
     assert len(calls) == before + 1
 

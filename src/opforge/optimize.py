@@ -58,7 +58,7 @@ import torch
 
 from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 from .ops.conv_batch_norm import why_not_own_engine
-from .optimize_blocks import rewrite_blocks
+from .optimize_blocks import restore_unchanged_blocks, rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
 from .optimize_layout import choose_channels_last
@@ -100,13 +100,14 @@ def optimize(
         # Before any layer is replaced: the layers are then timed on the layout they will see.
         _, why = choose_channels_last(out, example_inputs)
         notes += [why] if why else []
-    tails = rewrite_blocks(out)
+    tails, rewritten = rewrite_blocks(out)
     chains = find_chains(out)
     names = [chain.conv for chain in chains] + [tail.name for tail in tails]
     inputs = _layer_inputs(out, names, example_inputs) if example_inputs is not None and not force else {}
     measured = example_inputs is not None
     layers = {c.conv: _apply(out, c, inputs.get(c.conv, (None,))[0], measured, force) for c in chains}
     layers.update({t.name: apply_tail(out, t, inputs.get(t.name), measured, force) for t in tails})
+    restore_unchanged_blocks(out, rewritten, [name for name, layer in layers.items() if layer.action != "left"])
     # The report lists the layers in the model's order.
     order = {name: i for i, (name, _) in enumerate(out.named_modules())}
     ordered = [layers[name] for name in sorted(layers, key=lambda n: order.get(n, len(order)))]

@@ -53,9 +53,11 @@ class ResidualTail:
     pattern: str
 
 
-def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
-    """Rewrite ``model``'s blocks in place (see the module's docs); the tails made."""
+def rewrite_blocks(model: torch.nn.Module) -> tuple[list[ResidualTail], dict[str, torch.nn.Module]]:
+    """Rewrite ``model``'s blocks in place (see the module's docs); the tails made, and the blocks
+    rewritten by name, as they were (``restore_unchanged_blocks`` puts back those nothing replaced in)."""
     tails: list[ResidualTail] = []
+    originals: dict[str, torch.nn.Module] = {}
     done: list[str] = []
     for name, block in list(model.named_modules()):
         if not name or any(name.startswith(d + ".") for d in done):
@@ -79,9 +81,19 @@ def rewrite_blocks(model: torch.nn.Module) -> list[ResidualTail]:
             if not key.startswith("_") and not hasattr(rewritten, key):
                 setattr(rewritten, key, value)
         _set(model, name, rewritten)
+        originals[name] = block
         tails += [dataclasses.replace(t, name=f"{name}.{t.name}") for t in block_tails]
         done.append(name)
-    return tails
+    return tails, originals
+
+
+def restore_unchanged_blocks(model: torch.nn.Module, originals: dict[str, torch.nn.Module], changed: list[str]) -> None:
+    """Put back each rewritten block that no replaced layer (``changed``: their qualified names) is in,
+    so that a block where nothing paid runs its own ``forward``, not a graph of it. Its submodules
+    are the rewrite's own (the unshared activations aside), so the state is the same tensors."""
+    for name, block in originals.items():
+        if not any(c.startswith(name + ".") for c in changed):
+            _set(model, name, block)
 
 
 def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
