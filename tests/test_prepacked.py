@@ -143,6 +143,25 @@ def test_training_runs_torchs_conv_and_its_gradients():
     torch.testing.assert_close(fast.bias.grad, conv.bias.grad)
 
 
+@needs_onednn
+def test_parametrized_weight_and_no_bias():
+    """A weight computed by a parametrization (not in the parameter registry) and no bias: the
+    per-call reads find both, and each call sees the weight's current value."""
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1, bias=False).eval()
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu").eval()
+    torch.nn.utils.parametrize.register_parametrization(fast, "weight", Doubled())
+    x = torch.randn(2, 4, 7, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), F.relu(F.conv2d(x, 2 * conv.weight, padding=1)))
+        fast.parametrizations.weight.original.mul_(-1)
+        torch.testing.assert_close(fast(x), F.relu(F.conv2d(x, -2 * conv.weight, padding=1)))
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
 def test_float64_and_unbatched_inputs_take_torchs_conv():
     conv = torch.nn.Conv2d(4, 6, 3, padding=1).double().eval()
     fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation="relu6")

@@ -122,32 +122,44 @@ class PrepackedConv2d(torch.nn.Module):
         )  # fmt: skip
         return with_params_of(layer, conv)
 
+    def _weight_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``weight`` and ``bias``, read per call: from the parameter registry where they are there
+        (without Module.__getattr__'s cost), else as attributes (a parametrized weight, no bias)."""
+        params = self._parameters
+        weight = params["weight"] if "weight" in params else self.weight
+        return weight, params["bias"] if "bias" in params else self.bias
+
     def _fast_path(self, x: torch.Tensor) -> bool:
-        if torch.compiler.is_exporting() or x.device.type != "cpu" or x.dim() != 4:
+        # Run on every call: the cheapest tests first.
+        weight = self._weight_bias()[0]
+        if not x.is_cpu or x.dim() != 4 or x.dtype != weight.dtype or x.dtype not in _ONEDNN_DTYPES:
             return False
-        if torch.is_autocast_enabled("cpu"):  # autocast picks the conv's dtype: torch's ops do that
+        if x.shape[1] != self.in_channels or self._records_grad(x):
             return False
-        if x.dtype != self.weight.dtype or not onednn_runs(x.dtype):
-            return False
-        if self._records_grad(x) or x.shape[1] != self.in_channels:
-            return False
+        if torch.compiler.is_exporting() or torch.is_autocast_enabled("cpu"):
+            return False  # export keeps torch's ops; autocast picks the conv's dtype: torch's ops do that
         # An inference weight has no version counter, so in-place changes to it could not be seen:
         # eager calls leave it to torch, the compiled op reorders it on each call.
-        return torch.compiler.is_compiling() or not self.weight.is_inference()
+        return torch.compiler.is_compiling() or not weight.is_inference()
 
     def _records_grad(self, *inputs: torch.Tensor) -> bool:
         """Autograd records this call: the fused engines have no backward, torch's ops do."""
-        tensors = (*inputs, self.weight, self.bias)
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        if not torch.is_grad_enabled():
+            return False
+        weight, bias = self._weight_bias()
+        if weight.requires_grad or (bias is not None and bias.requires_grad):
+            return True
+        return any(t.requires_grad for t in inputs)
 
     def _in_conv_format(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """A oneDNN output in F.conv2d's memory format: channels_last when the input or the weight is."""
-        cl = is_channels_last(x) or is_channels_last(self.weight)
+        cl = is_channels_last(x) or is_channels_last(self._weight_bias()[0])
         return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
 
     def packed_weight(self, x: torch.Tensor) -> torch.Tensor:
         """The weight reordered for inputs shaped like ``x`` (cached, see ``opforge.nn_prepacked_ops``)."""
-        return nn_prepacked_ops.packed_weight(self.weight, x, self.stride, self.padding, self.dilation, self.groups)
+        weight = self._weight_bias()[0]
+        return nn_prepacked_ops.packed_weight(weight, x, self.stride, self.padding, self.dilation, self.groups)
 
     @property
     def _packed(self) -> torch.Tensor | None:
@@ -186,7 +198,7 @@ class PrepackedConv2d(torch.nn.Module):
                 return self._compiled_call(x)
             attr, scalars = POST_OPS[self.activation or "none"]
             y = torch.ops.mkldnn._convolution_pointwise(
-                x, self.packed_weight(x), self.bias, list(self.padding), list(self.stride), list(self.dilation),
+                x, self.packed_weight(x), self._weight_bias()[1], self.padding, self.stride, self.dilation,
                 self.groups, attr, scalars, "",
             )  # fmt: skip
             return self._in_conv_format(y, x)

@@ -41,8 +41,8 @@ def packed_weight(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilati
     counter, so a change could not be seen: it is reordered on every call."""
     if weight.is_inference():
         return pack(weight, x, stride, padding, dilation, groups)
-    key = (weight.data_ptr(), weight._version, tuple(x.shape[1:]), tuple(stride), tuple(padding))
-    key += (tuple(dilation), groups)
+    # Compared, never hashed: the callers' tuples and lists are read as they are (a layer's are tuples).
+    key = (weight.data_ptr(), weight._version, x.shape[1:], stride, padding, dilation, groups)
     entry = _PACKED.get(weight)
     if entry is None or entry[0] != key:
         entry = (key, pack(weight, x, stride, padding, dilation, groups))

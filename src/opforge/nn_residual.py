@@ -96,8 +96,8 @@ class ConvResidual(PrepackedConv2d):
             if torch.compiler.is_compiling():
                 return self._compiled_call(x, residual)
             y = torch.ops.mkldnn._convolution_pointwise.binary(
-                x, residual, self.packed_weight(x), self.bias, list(self.padding), list(self.stride),
-                list(self.dilation), self.groups, "add", None, self.activation, [], "",
+                x, residual, self.packed_weight(x), self._weight_bias()[1], self.padding, self.stride,
+                self.dilation, self.groups, "add", None, self.activation, [], "",
             )  # fmt: skip
             return self._in_conv_format(y, x)
         cudnn = engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and not torch.compiler.is_compiling()
