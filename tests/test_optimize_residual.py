@@ -116,6 +116,22 @@ def test_training_and_broadcast_residuals_fall_back_to_torch(engine):
     torch.testing.assert_close(got[0], x.grad)
 
 
+def test_onednn_engine_follows_the_input_shape_from_call_to_call():
+    """The output shape a residual must match is kept for the last input shape: a new input shape
+    (another batch, another image size) is checked against its own."""
+    if not onednn_runs(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    conv, layer, x, r = make(torch.float32, True, engine="onednn")
+    with torch.no_grad():
+        for n, hw in ((2, 8), (3, 8), (2, 12), (2, 8)):
+            xi = torch.randn(n, x.shape[1], hw, hw).contiguous(memory_format=torch.channels_last)
+            ri = torch.randn(n, r.shape[1], hw, hw).contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(layer(xi, ri), F.relu(conv(xi) + ri), atol=1e-4, rtol=1e-4)
+            assert layer._output_sizes(xi) == tuple(ri.shape)
+            assert layer._fused_call_fits(xi, ri) and not layer._fused_call_fits(xi, ri[:, :, :-1])
+    assert layer._packed is not None  # oneDNN ran
+
+
 def test_bad_engines_name_the_argument():
     conv = torch.nn.Conv2d(4, 4, 3, padding=1)
     with pytest.raises(ValueError, match="engine must be one of"):

@@ -190,9 +190,8 @@ class PrepackedConv2d(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._cudnn_path(x):
-            return torch.cudnn_convolution_relu(
-                x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
-            )
+            weight, bias = self._weight_bias()
+            return torch.cudnn_convolution_relu(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
         if self._fast_path(x):
             if torch.compiler.is_compiling():
                 return self._compiled_call(x)

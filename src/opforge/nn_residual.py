@@ -77,18 +77,27 @@ class ConvResidual(PrepackedConv2d):
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
 
-    def _output_sizes(self, x: torch.Tensor) -> list[int]:
-        return output_layout(x, self.weight, self.stride, self.padding, self.dilation)[0]
+    def _output_sizes(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The conv output's shape for ``x``, kept for the last input and weight shapes (asked per call)."""
+        weight = self._weight_bias()[0]
+        if torch.compiler.is_compiling():  # a trace keeps no state on the module
+            return tuple(output_layout(x, weight, self.stride, self.padding, self.dilation)[0])
+        cached = self.__dict__.get("_sizes_for")
+        if cached is not None and cached[0] == x.shape and cached[1] == weight.shape:
+            return cached[2]
+        sizes = tuple(output_layout(x, weight, self.stride, self.padding, self.dilation)[0])
+        self.__dict__["_sizes_for"] = (x.shape, weight.shape, sizes)
+        return sizes
 
     def _fused_call_fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """The fused engines take a residual of the conv output's shape, dtype and device, no graph."""
-        if torch.compiler.is_exporting() or x.dim() != 4 or residual.dim() != 4:
+        if x.dim() != 4 or residual.dim() != 4 or residual.dtype != x.dtype:
             return False
-        if torch.is_autocast_enabled(x.device.type):  # autocast picks the conv's dtype: torch's ops do that
+        if x.dtype != self._weight_bias()[0].dtype or residual.get_device() != x.get_device():
             return False
-        if residual.dtype != x.dtype or residual.device != x.device or x.dtype != self.weight.dtype:
-            return False
-        return not self._records_grad(x, residual) and list(residual.shape) == self._output_sizes(x)
+        if torch.compiler.is_exporting() or torch.is_autocast_enabled(x.device.type):
+            return False  # autocast picks the conv's dtype: torch's ops do that
+        return not self._records_grad(x, residual) and residual.shape == self._output_sizes(x)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         engine = self._engine
@@ -102,8 +111,9 @@ class ConvResidual(PrepackedConv2d):
             return self._in_conv_format(y, x)
         cudnn = engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and not torch.compiler.is_compiling()
         if cudnn and self._fused_call_fits(x, residual):
+            weight, bias = self._weight_bias()
             return torch.cudnn_convolution_add_relu(
-                x, self.weight, residual, 1.0, self.bias, self.stride, self.padding, self.dilation, self.groups
+                x, weight, residual, 1.0, bias, self.stride, self.padding, self.dilation, self.groups
             )
         if engine == "add_relu" and not torch.compiler.is_compiling():
             y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
