@@ -309,6 +309,9 @@ def test_optimize_training_step_equals_original(name):
     chains = sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
     assert len(fused) == chains  # every BatchNorm of these models follows a conv
     assert sum("as one op" in layer.action for layer in report.layers) == len(fused)
+    assert len(report.replaced) == len(fused)
+    n = len(report.layers)
+    assert str(report).endswith(f"{len(fused)} of {n} layers changed, {n - len(fused)} left")
     assert list(fast.state_dict()) == list(model.state_dict())
     for _ in range(2):
         assert torch.equal(step(fast, x), step(model, x))
@@ -330,6 +333,8 @@ def test_timed_training_chains_stay_modules_where_the_op_runs_aten(name):
     for layer in chains:
         assert layer.action == "left", layer
         assert "would run ATen's kernels here (on the CPU)" in layer.reason, layer
+    n = len(report.layers)
+    assert report.replaced == [] and str(report).endswith(f"0 of {n} layers changed, {n} left")
     # The timing on example_inputs leaves no gradient behind, and names are the original's.
     assert all(p.grad is None for p in fast.parameters())
     assert list(fast.state_dict()) == list(model.state_dict())
