@@ -211,6 +211,36 @@ def test_batch_norm_variants(device, bn):
     compare(block, "silu", torch.randn(2, 8, 9, 9, device=device), device, exact=device == "cpu")
 
 
+class Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize(
+    "bn, parametrized",
+    [(dict(), False), (dict(affine=False), False), (dict(track_running_stats=False), False), (dict(), True)],
+)
+@pytest.mark.parametrize("training", [True, False])
+def test_module_reads_its_tensors_as_the_modules_do(bn, parametrized, training):
+    """ConvBatchNorm2d reads each tensor from its registry, or as an attribute where a parametrization
+    computes it: output, gradients and running statistics are the three modules' (CPU: bit for bit)."""
+    block = modules(torch.float32, "cpu", "relu", **bn).train(training)
+    mine = copy.deepcopy(block)
+    fused = opforge.nn.ConvBatchNorm2d.of(mine[0], opforge.nn.BatchNormInConv.of(mine[1]), "relu")
+    if parametrized:
+        torch.nn.utils.parametrize.register_parametrization(block[0], "weight", Doubled())
+        torch.nn.utils.parametrize.register_parametrization(fused, "weight", Doubled())
+    x = torch.randn(2, 8, 7, 7)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = fused(x1), block(x2)
+    assert torch.equal(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+    for (k, a), b in zip(mine[1].state_dict().items(), block[1].state_dict().values()):
+        assert torch.equal(a, b), k  # the running statistics the op updates
+
+
 def test_gradcheck_float64():
     x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)

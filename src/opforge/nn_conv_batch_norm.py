@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from .ops.conv import TORCH_ACTIVATIONS
-from .ops.conv_batch_norm import conv2d_batch_norm
+from .ops.conv_batch_norm import _conv2d_batch_norm
+
+
+def _registered(module: torch.nn.Module, store: str, name: str):
+    """``module.<name>`` from its registry ``store`` where it is there, else as an attribute (a
+    parametrized tensor)."""
+    registry = module.__dict__[store]
+    return registry[name] if name in registry else getattr(module, name)
 
 
 def _recast(module: torch.nn.Module, cls: type) -> torch.nn.Module:
@@ -89,9 +96,10 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.batch_norm
-        batch_stats = bn.training or bn.running_mean is None
+        running_mean = _registered(bn, "_buffers", "running_mean")
+        running_var = _registered(bn, "_buffers", "running_var")
         if (
-            batch_stats
+            (bn.training or running_mean is None)
             and bn.momentum is not None
             and self.padding_mode == "zeros"
             and not isinstance(self.padding, str)
@@ -99,16 +107,20 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
             and not torch.compiler.is_compiling()
             and not torch.is_autocast_enabled(x.device.type)
         ):
-            count = bn.num_batches_tracked if bn.training and bn.track_running_stats else None
-            return conv2d_batch_norm(
+            # Each module's tensors read once, from its registries (not through Module.__getattr__):
+            # this runs per call of every chain.
+            tracked = bn.training and bn.track_running_stats
+            if bn.training and not bn.track_running_stats:
+                running_mean = running_var = None
+            return _conv2d_batch_norm(
                 x,
-                self.weight,
-                self.bias,
-                bn.weight,
-                bn.bias,
-                bn.running_mean if not bn.training or bn.track_running_stats else None,
-                bn.running_var if not bn.training or bn.track_running_stats else None,
-                count,
+                _registered(self, "_parameters", "weight"),
+                _registered(self, "_parameters", "bias"),
+                _registered(bn, "_parameters", "weight"),
+                _registered(bn, "_parameters", "bias"),
+                running_mean,
+                running_var,
+                _registered(bn, "_buffers", "num_batches_tracked") if tracked else None,
                 self.stride,
                 self.padding,
                 self.dilation,
