@@ -127,8 +127,10 @@ def test_onednn_engine_follows_the_input_shape_from_call_to_call():
             xi = torch.randn(n, x.shape[1], hw, hw).contiguous(memory_format=torch.channels_last)
             ri = torch.randn(n, r.shape[1], hw, hw).contiguous(memory_format=torch.channels_last)
             torch.testing.assert_close(layer(xi, ri), F.relu(conv(xi) + ri), atol=1e-4, rtol=1e-4)
-            assert layer._output_sizes(xi) == tuple(ri.shape)
-            assert layer._fused_call_fits(xi, ri) and not layer._fused_call_fits(xi, ri[:, :, :-1])
+            weight, bias = layer._weight_bias()
+            assert layer._output_sizes(xi, weight) == tuple(ri.shape)
+            fits = layer._fused_call_fits(xi, ri, weight, bias)
+            assert fits and not layer._fused_call_fits(xi, ri[:, :, :-1], weight, bias)
     assert layer._packed is not None  # oneDNN ran
 
 

@@ -307,7 +307,7 @@ def test_cuda_runs_torchs_conv_for_other_activations(activation):
     fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation=activation)
     x = torch.randn(2, 4, 9, 9, device="cuda")
     with torch.no_grad():
-        assert not fast._cudnn_path(x)
+        assert not fast._cudnn_path(x, *fast._weight_bias())
         torch.testing.assert_close(fast(x), TORCH_ACT[activation](conv(x)))
     assert fast._packed is None
 
@@ -326,7 +326,7 @@ def test_cuda_relu_runs_cudnns_fused_conv(layer, channels_last, dtype):
     torch.backends.cudnn.allow_tf32 = False
     try:
         with torch.no_grad():
-            assert fast._cudnn_path(x)
+            assert fast._cudnn_path(x, *fast._weight_bias())
             out = fast(x)
             assert out.stride() == conv(x).stride()
     finally:

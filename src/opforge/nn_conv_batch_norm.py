@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from .nn_prepacked import registered
 from .ops.conv import TORCH_ACTIVATIONS
 from .ops.conv_batch_norm import _conv2d_batch_norm
-
-
-def _registered(module: torch.nn.Module, store: str, name: str):
-    """``module.<name>`` from its registry ``store`` where it is there, else as an attribute (a
-    parametrized tensor)."""
-    registry = module.__dict__[store]
-    return registry[name] if name in registry else getattr(module, name)
 
 
 def _recast(module: torch.nn.Module, cls: type) -> torch.nn.Module:
@@ -96,8 +90,8 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.batch_norm
-        running_mean = _registered(bn, "_buffers", "running_mean")
-        running_var = _registered(bn, "_buffers", "running_var")
+        running_mean = registered(bn, "_buffers", "running_mean")
+        running_var = registered(bn, "_buffers", "running_var")
         if (
             (bn.training or running_mean is None)
             and bn.momentum is not None
@@ -114,13 +108,13 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
                 running_mean = running_var = None
             return _conv2d_batch_norm(
                 x,
-                _registered(self, "_parameters", "weight"),
-                _registered(self, "_parameters", "bias"),
-                _registered(bn, "_parameters", "weight"),
-                _registered(bn, "_parameters", "bias"),
+                registered(self, "_parameters", "weight"),
+                registered(self, "_parameters", "bias"),
+                registered(bn, "_parameters", "weight"),
+                registered(bn, "_parameters", "bias"),
                 running_mean,
                 running_var,
-                _registered(bn, "_buffers", "num_batches_tracked") if tracked else None,
+                registered(bn, "_buffers", "num_batches_tracked") if tracked else None,
                 self.stride,
                 self.padding,
                 self.dilation,

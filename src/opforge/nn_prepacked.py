@@ -123,18 +123,14 @@ class PrepackedConv2d(torch.nn.Module):
         return with_params_of(layer, conv)
 
     def _weight_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``weight`` and ``bias``, read per call: from the parameter registry where they are there
-        (without Module.__getattr__'s cost), else as attributes (a parametrized weight, no bias)."""
-        params = self._parameters
-        weight = params["weight"] if "weight" in params else self.weight
-        return weight, params["bias"] if "bias" in params else self.bias
+        """``weight`` and ``bias``, read once per call (see ``registered``)."""
+        return registered(self, "_parameters", "weight"), registered(self, "_parameters", "bias")
 
-    def _fast_path(self, x: torch.Tensor) -> bool:
+    def _fast_path(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         # Run on every call: the cheapest tests first.
-        weight = self._weight_bias()[0]
         if not x.is_cpu or x.dim() != 4 or x.dtype != weight.dtype or x.dtype not in _ONEDNN_DTYPES:
             return False
-        if x.shape[1] != self.in_channels or self._records_grad(x):
+        if x.shape[1] != self.in_channels or records_grad(weight, bias, x):
             return False
         if torch.compiler.is_exporting() or torch.is_autocast_enabled("cpu"):
             return False  # export keeps torch's ops; autocast picks the conv's dtype: torch's ops do that
@@ -142,23 +138,14 @@ class PrepackedConv2d(torch.nn.Module):
         # eager calls leave it to torch, the compiled op reorders it on each call.
         return torch.compiler.is_compiling() or not weight.is_inference()
 
-    def _records_grad(self, *inputs: torch.Tensor) -> bool:
-        """Autograd records this call: the fused engines have no backward, torch's ops do."""
-        if not torch.is_grad_enabled():
-            return False
-        weight, bias = self._weight_bias()
-        if weight.requires_grad or (bias is not None and bias.requires_grad):
-            return True
-        return any(t.requires_grad for t in inputs)
-
-    def _in_conv_format(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _in_conv_format(self, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """A oneDNN output in F.conv2d's memory format: channels_last when the input or the weight is."""
-        cl = is_channels_last(x) or is_channels_last(self._weight_bias()[0])
+        cl = is_channels_last(x) or is_channels_last(weight)
         return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
 
-    def packed_weight(self, x: torch.Tensor) -> torch.Tensor:
+    def packed_weight(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """The weight reordered for inputs shaped like ``x`` (cached, see ``opforge.nn_prepacked_ops``)."""
-        weight = self._weight_bias()[0]
+        weight = self._weight_bias()[0] if weight is None else weight
         return nn_prepacked_ops.packed_weight(weight, x, self.stride, self.padding, self.dilation, self.groups)
 
     @property
@@ -178,30 +165,30 @@ class PrepackedConv2d(torch.nn.Module):
         which bypasses the version counter; every other change is seen."""
         nn_prepacked_ops.drop(self.weight)
 
-    def _cudnn_path(self, x: torch.Tensor) -> bool:
+    def _cudnn_path(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """cuDNN's fused convolution + bias + ReLU applies: CUDA, ReLU, a dtype cuDNN fuses, no graph."""
         if self.activation != "relu" or not x.is_cuda or x.dim() != 4 or torch.compiler.is_compiling():
             return False
         if torch.is_autocast_enabled("cuda"):
             return False
-        if x.dtype != self.weight.dtype or x.dtype not in CUDNN_FUSED_DTYPES or not torch.backends.cudnn.enabled:
+        if x.dtype != weight.dtype or x.dtype not in CUDNN_FUSED_DTYPES or not torch.backends.cudnn.enabled:
             return False
-        return not self._records_grad(x)
+        return not records_grad(weight, bias, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._cudnn_path(x):
-            weight, bias = self._weight_bias()
+        weight, bias = self._weight_bias()
+        if self._cudnn_path(x, weight, bias):
             return torch.cudnn_convolution_relu(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
-        if self._fast_path(x):
+        if self._fast_path(x, weight, bias):
             if torch.compiler.is_compiling():
                 return self._compiled_call(x)
             attr, scalars = POST_OPS[self.activation or "none"]
             y = torch.ops.mkldnn._convolution_pointwise(
-                x, self.packed_weight(x), self._weight_bias()[1], self.padding, self.stride, self.dilation,
+                x, self.packed_weight(x, weight), bias, self.padding, self.stride, self.dilation,
                 self.groups, attr, scalars, "",
             )  # fmt: skip
-            return self._in_conv_format(y, x)
-        y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+            return self._in_conv_format(y, x, weight)
+        y = F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
 
@@ -211,6 +198,23 @@ class PrepackedConv2d(torch.nn.Module):
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, "
             f"bias={self.bias is not None}, activation={self.activation!r}"
         )
+
+
+def registered(module: torch.nn.Module, store: str, name: str):
+    """``module.<name>`` read from its registry ``store`` (``"_parameters"``, ``"_buffers"``) where it
+    is there, else as an attribute (a tensor a parametrization computes). For the per-call paths of
+    opforge.nn's layers: Module.__getattr__ costs several times a dict lookup."""
+    registry = getattr(module, store)  # an instance attribute: no Module.__getattr__
+    return registry[name] if name in registry else getattr(module, name)
+
+
+def records_grad(weight: torch.Tensor, bias: torch.Tensor | None, *inputs: torch.Tensor) -> bool:
+    """Autograd records a call on these tensors: the fused engines have no backward, torch's ops do."""
+    if not torch.is_grad_enabled():
+        return False
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        return True
+    return any(t.requires_grad for t in inputs)
 
 
 def with_params_of(layer: torch.nn.Module, conv: torch.nn.Conv2d) -> torch.nn.Module:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d
+from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, records_grad
 from .nn_prepacked_ops import output_layout
 from .ops.add import add_relu
 from .ops.conv import TORCH_ACTIVATIONS
@@ -77,9 +77,8 @@ class ConvResidual(PrepackedConv2d):
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
 
-    def _output_sizes(self, x: torch.Tensor) -> tuple[int, ...]:
+    def _output_sizes(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[int, ...]:
         """The conv output's shape for ``x``, kept for the last input and weight shapes (asked per call)."""
-        weight = self._weight_bias()[0]
         if torch.compiler.is_compiling():  # a trace keeps no state on the module
             return tuple(output_layout(x, weight, self.stride, self.padding, self.dilation)[0])
         cached = self.__dict__.get("_sizes_for")
@@ -89,34 +88,37 @@ class ConvResidual(PrepackedConv2d):
         self.__dict__["_sizes_for"] = (x.shape, weight.shape, sizes)
         return sizes
 
-    def _fused_call_fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    def _fused_call_fits(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> bool:
         """The fused engines take a residual of the conv output's shape, dtype and device, no graph."""
         if x.dim() != 4 or residual.dim() != 4 or residual.dtype != x.dtype:
             return False
-        if x.dtype != self._weight_bias()[0].dtype or residual.get_device() != x.get_device():
+        if x.dtype != weight.dtype or residual.get_device() != x.get_device():
             return False
         if torch.compiler.is_exporting() or torch.is_autocast_enabled(x.device.type):
             return False  # autocast picks the conv's dtype: torch's ops do that
-        return not self._records_grad(x, residual) and residual.shape == self._output_sizes(x)
+        return not records_grad(weight, bias, x, residual) and residual.shape == self._output_sizes(x, weight)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         engine = self._engine
-        if engine == "onednn" and self._fast_path(x) and self._fused_call_fits(x, residual):
+        weight, bias = self._weight_bias()
+        onednn = engine == "onednn" and self._fast_path(x, weight, bias)
+        if onednn and self._fused_call_fits(x, residual, weight, bias):
             if torch.compiler.is_compiling():
                 return self._compiled_call(x, residual)
             y = torch.ops.mkldnn._convolution_pointwise.binary(
-                x, residual, self.packed_weight(x), self._weight_bias()[1], self.padding, self.stride,
+                x, residual, self.packed_weight(x, weight), bias, self.padding, self.stride,
                 self.dilation, self.groups, "add", None, self.activation, [], "",
             )  # fmt: skip
-            return self._in_conv_format(y, x)
+            return self._in_conv_format(y, x, weight)
         cudnn = engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and not torch.compiler.is_compiling()
-        if cudnn and self._fused_call_fits(x, residual):
-            weight, bias = self._weight_bias()
+        if cudnn and self._fused_call_fits(x, residual, weight, bias):
             return torch.cudnn_convolution_add_relu(
                 x, weight, residual, 1.0, bias, self.stride, self.padding, self.dilation, self.groups
             )
         if engine == "add_relu" and not torch.compiler.is_compiling():
-            y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+            y = F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
             if y.shape == residual.shape and y.dtype == residual.dtype:
                 return add_relu(y, residual)
             return F.relu(y + residual)
