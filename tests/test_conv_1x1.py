@@ -102,6 +102,40 @@ def test_cuda_float32_without_tf32_is_exact_float32(monkeypatch):
     assert_fused_conv_close(out, x, w, b, 1, 0, 1, "relu", tf32=False)
 
 
+# The CPU kernel runs a stride-1 layer whose pixels are rows of channels (channels_last, or a 1x1
+# image), at most 1024 of them, with C >= K as one GEMM; these cases sit on both sides of each bound.
+GEMM_BOUNDS = [
+    ((1, 48, 14, 14), 16, True),  # GEMM: 196 pixels, C > K
+    ((1, 32, 32, 32), 32, True),  # GEMM: 1024 pixels, C == K
+    ((1, 32, 25, 41), 16, True),  # convolution: 1025 pixels
+    ((1, 16, 14, 14), 32, True),  # convolution: C < K
+    ((1, 48, 14, 14), 16, False),  # convolution: NCHW
+    ((4, 40, 1, 1), 10, False),  # GEMM: a 1x1 image, 4 pixels, either format
+    ((1, 40, 1, 1), 10, False),  # convolution: one pixel
+]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("case", GEMM_BOUNDS, ids=lambda c: f"{c[0]}-k{c[1]}-{'cl' if c[2] else 'nchw'}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm_bounds(activation, case, dtype, device):
+    shape, k, channels_last = case
+    x, w, b = _operands(dtype, device, channels_last, shape, k)
+    check_forward(x, w, b, 1, activation)
+    check_forward(x, w, None, 1, activation)
+    check_forward(x, w, b, 2, activation)  # stride 2 reads every other pixel: the convolution
+
+
+def test_gemm_path_gradcheck(device):
+    """The GEMM forward against the convolution's backward, in float64."""
+    x = rand((2, 6, 3, 4), torch.float64, device).to(memory_format=torch.channels_last).requires_grad_()
+    w = rand((4, 6, 1, 1), torch.float64, device).requires_grad_()
+    b = rand((4,), torch.float64, device).requires_grad_()
+    for activation in ACTIVATIONS:
+        fn = lambda x, w, b, act=activation: opforge.conv2d_1x1(x, w, b, 1, act)  # noqa: E731
+        assert torch.autograd.gradcheck(fn, (x, w, b), eps=1e-6, atol=1e-5)
+
+
 def test_strided_unbatched_and_empty_inputs(device):
     x = rand((2, 16, 12, 20), torch.float32, device)[:, :, :, ::2]  # not contiguous in any format
     w, b = rand((8, 16, 1, 1), torch.float32, device), rand((8,), torch.float32, device)

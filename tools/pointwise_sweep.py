@@ -1,4 +1,4 @@
-"""1x1 conv layers of real models: opforge.conv2d_1x1 against F.conv2d + the activation (cuDNN).
+"""1x1 conv layers of real models: opforge.conv2d_1x1 against F.conv2d + the activation (cuDNN / ATen).
 
 The layer shapes are collected from the models themselves (forward hooks on
 torchvision's classification models at 224x224): every 1x1 conv with groups
@@ -14,6 +14,7 @@ speed-up, the worst case, and the cases moving more than 8 MB that run
 under 60% of the device-copy floor (input read once, output written once).
 
     python tools/pointwise_sweep.py --json sweep.json
+    python tools/pointwise_sweep.py --device cpu --batches 1 --dtypes float32 --json cpu-sweep.json
 """
 
 from __future__ import annotations
@@ -54,23 +55,23 @@ def collect_shapes(names=MODELS, image=224) -> dict[tuple, list[str]]:
 _TORCH_ACT = {None: lambda t: t, "hardswish": F.hardswish}
 
 
-def run_case(key, n, dtype, channels_last, activation):
+def run_case(key, n, dtype, channels_last, activation, device="cuda"):
     import opforge
 
     c, k, h, w, s = key
-    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype)
+    x = torch.randn(n, c, h, w, device=device, dtype=dtype)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
-    wt = torch.randn(k, c, 1, 1, device="cuda", dtype=dtype) / c**0.5
-    b = torch.randn(k, device="cuda", dtype=dtype)
+    wt = torch.randn(k, c, 1, 1, device=device, dtype=dtype) / c**0.5
+    b = torch.randn(k, device=device, dtype=dtype)
     act = _TORCH_ACT[activation]
     with torch.no_grad():
         ours = opforge.conv2d_1x1(x, wt, b, s, activation)
         ref = act(F.conv2d(x.double(), wt.double(), b.double(), s))
         err = ((ours.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         fwd = (
-            time_ms(lambda: opforge.conv2d_1x1(x, wt, b, s, activation), 10, 3),
-            time_ms(lambda: act(F.conv2d(x, wt, b, s)), 10, 3),
+            time_ms(lambda: opforge.conv2d_1x1(x, wt, b, s, activation), 10, 3, device),
+            time_ms(lambda: act(F.conv2d(x, wt, b, s)), 10, 3, device),
         )
     moved = (x.numel() + ours.numel()) * x.element_size()
     return {"fwd": fwd, "bytes": moved, "max_rel_err": err}
@@ -79,14 +80,17 @@ def run_case(key, n, dtype, channels_last, activation):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write every case and the summary here")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="peer: cuDNN (cuda) or ATen (cpu)")
     ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--max-seconds", type=float, default=None, help="stop timing new shapes after this long")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("pointwise_sweep: needs a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("pointwise_sweep: no CUDA GPU (--device cpu times the CPU kernels)")
         return 2
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     shapes = collect_shapes()
-    floor = copy_bandwidth_gbs()
+    floor = copy_bandwidth_gbs(args.device)
     cases, errors = [], []
     start, done = time.monotonic(), 0
     order = sorted(shapes.items())
@@ -96,14 +100,16 @@ def main(argv=None) -> int:
             break
         done += 1
         for n in (int(b) for b in args.batches.split(",")):
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype in dtypes:
                 for cl in (False, True):
                     for activation in (None, "hardswish"):
                         name = f"N{n} C{key[0]}->{key[1]} {key[2]}x{key[3]} s{key[4]} {str(dtype)[6:]} "
                         name += ("NHWC" if cl else "NCHW") + f" {activation or 'bias'} ({','.join(models)})"
-                        args = (key, n, dtype, cl, activation)
-                        run_recorded(name, run_case, args, cases, errors, layout="NHWC" if cl else "NCHW")
+                        case_args = (key, n, dtype, cl, activation, args.device)
+                        run_recorded(name, run_case, case_args, cases, errors, layout="NHWC" if cl else "NCHW")
     summary = {
+        "device": args.device,
+        "threads": torch.get_num_threads(),
         "shapes": len(shapes),
         "shapes_timed": done,
         "copy_gbs": floor,
