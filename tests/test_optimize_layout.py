@@ -17,9 +17,10 @@ from opforge import optimize_layout
 torchvision = pytest.importorskip("torchvision")
 
 
-def timings(monkeypatch, inside_us: float, nchw_us: float):
-    """Make the model-level timing say channels_last inside takes inside_us, NCHW nchw_us."""
-    values = iter([inside_us, nchw_us])
+def timings(monkeypatch, inside_us: float, nchw_us: float, optimized: tuple[float, float] | None = None):
+    """Make the model-level timing say channels_last inside takes inside_us, NCHW nchw_us; and, where
+    a CPU eval model keeps NCHW, the optimized model's second look ``optimized`` (the same by default)."""
+    values = iter([inside_us, nchw_us, *(optimized or (inside_us, nchw_us))])
     monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: next(values))
     monkeypatch.setattr(optimize_layout, "_timings", {})  # no choice cached by an earlier test
 
@@ -88,6 +89,41 @@ def test_slower_channels_last_is_not_taken(monkeypatch, device):
     assert not optimize_layout.has_channels_last_hooks(fast)
     assert "not faster" in report.notes[0]
     assert set(layouts_seen(fast, x)) == {"nchw"}
+    if device == "cpu":  # the second look, with opforge's layers, ties too
+        assert "NCHW kept with opforge's layers too" in report.notes[1], str(report)
+
+
+def test_cpu_second_look_with_opforge_layers_can_take_channels_last(monkeypatch):
+    """torch's convs copy an NCHW weight for every channels_last input; opforge's prepacked layers
+    reorder theirs once, so the optimized model is timed again, and may run channels_last inside."""
+    timings(monkeypatch, 10.0, 10.0, optimized=(5.0, 10.0))
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert "not faster" in report.notes[0]
+    assert "channels_last inside with opforge's layers" in report.notes[1], str(report)
+    assert optimize_layout.has_channels_last_hooks(fast) and not optimize_layout.has_channels_last_hooks(model)
+    assert set(layouts_seen(fast, x)) == {"cl"}
+    for p in fast.parameters():
+        assert p.is_contiguous()
+    with torch.no_grad():
+        ref, out = model(x), fast(x)
+    assert out.stride() == ref.stride()
+    torch.testing.assert_close(out, ref, atol=2e-5 * ref.abs().max().item(), rtol=2e-5)
+    # The second look is cached too: optimizing the model again times nothing and decides alike.
+    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: pytest.fail("timed twice"))
+    again = opforge.optimize(model, example_inputs=(x,))
+    assert optimize_layout.has_channels_last_hooks(again)
+
+
+def test_no_second_look_in_training(monkeypatch):
+    values = iter([10.0, 10.0])
+    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: next(values))
+    monkeypatch.setattr(optimize_layout, "_timings", {})
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).train()
+    fast, report = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),), report=True)
+    assert not optimize_layout.has_channels_last_hooks(fast)
+    assert len(report.notes) == 1 and "not faster" in report.notes[0]
 
 
 def test_four_d_outputs_come_back_in_nchw(monkeypatch, device, no_tf32):

@@ -38,7 +38,8 @@ trace):
 - A model called with NCHW batches (CPU or CUDA; eval or training mode)
   runs channels_last inside (``optimize_layout``: a hook converts the inputs
   once and the 4-d outputs back) where that measures faster with torch's own
-  layers.
+  layers; an eval-mode CPU model that kept NCHW is timed once more with
+  opforge's layers in place, which may change the answer.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
   opforge's op only where that op is also faster than what inductor makes of
   torch's conv (the conv, then its bias and activation fused into one pass);
@@ -61,7 +62,7 @@ from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import restore_unchanged_blocks, rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import folded_conv
-from .optimize_layout import choose_channels_last
+from .optimize_layout import choose_channels_last, reconsider_channels_last
 from .optimize_patterns import Chain, describe_conv, find_chains
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
@@ -108,6 +109,9 @@ def optimize(
     layers = {c.conv: _apply(out, c, inputs.get(c.conv, (None,))[0], measured, force) for c in chains}
     layers.update({t.name: apply_tail(out, t, inputs.get(t.name), measured, force) for t in tails})
     restore_unchanged_blocks(out, rewritten, [name for name, layer in layers.items() if layer.action != "left"])
+    if example_inputs is not None and not force:
+        why = reconsider_channels_last(out, example_inputs)
+        notes += [why] if why else []
     # The report lists the layers in the model's order.
     order = {name: i for i, (name, _) in enumerate(out.named_modules())}
     ordered = [layers[name] for name in sorted(layers, key=lambda n: order.get(n, len(order)))]
