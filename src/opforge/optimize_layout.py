@@ -182,6 +182,20 @@ def _seeded(fn, device: torch.device):
         return fn()
 
 
+def _install_checked(probe: torch.nn.Module, call, device: torch.device, plain, same) -> list:
+    """The hooks installed on ``probe``, where ``call``'s outputs with them pass ``same(hooked, plain)``;
+    elsewhere the hooks come off again and the error (or "outputs differ") is raised."""
+    handles = _install(probe)
+    try:
+        if not same(_seeded(call, device), plain):
+            raise RuntimeError("outputs differ")
+    except Exception:
+        for h in handles:
+            h.remove()
+        raise
+    return handles
+
+
 def _timed(call, device: torch.device, handles: list, key: tuple) -> tuple[float, float]:
     """(inside_us, nchw_us): ``call`` timed with the hooks ``handles`` on, then off (removed), once
     per ``key`` in the process."""
@@ -217,14 +231,13 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
         plain = _seeded(call, device)
     except Exception:  # noqa: BLE001 - the model's own error surfaces where the caller runs it
         return False, ""
-    handles = _install(probe)
+
+    def same(hooked, plain) -> bool:
+        return _same(hooked, plain, model.training) or _same_in_float32(model, example_inputs, device)
+
     try:
-        hooked = _seeded(call, device)
-        if not _same(hooked, plain, model.training) and not _same_in_float32(model, example_inputs, device):
-            raise RuntimeError("outputs differ")
+        handles = _install_checked(probe, call, device, plain, same)
     except Exception as e:  # noqa: BLE001 - e.g. a .view() that needs NCHW strides
-        for h in handles:
-            h.remove()
         return False, f"NCHW kept: the model does not run channels_last inside ({str(e)[:80]})"
     inside_us, nchw_us = _timed(call, device, handles, (_architecture(model, batches), model.training))
     what = "forward + backward" if model.training else "forward"
@@ -254,13 +267,9 @@ def reconsider_channels_last(model: torch.nn.Module, example_inputs: tuple) -> s
         plain = _seeded(call, device)
     except Exception:  # noqa: BLE001 - the model's own error surfaces where the caller runs it
         return ""
-    handles = _install(model)
     try:
-        if not _same(_seeded(call, device), plain):
-            raise RuntimeError("outputs differ")
+        handles = _install_checked(model, call, device, plain, _same)
     except Exception:  # noqa: BLE001 - as in the first choice, which then said why
-        for h in handles:
-            h.remove()
         return ""
     inside_us, nchw_us = _timed(call, device, handles, ("optimized", _architecture(model, batches)))
     times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, forward, opforge's layers"
