@@ -12,7 +12,7 @@ import torch
 from reference import randomize_batchnorm
 
 import opforge
-from opforge import optimize_layout
+from opforge import nn_prepacked_ops, optimize_layout
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -89,16 +89,17 @@ def test_slower_channels_last_is_not_taken(monkeypatch, device):
     assert not optimize_layout.has_channels_last_hooks(fast)
     assert "not faster" in report.notes[0]
     assert set(layouts_seen(fast, x)) == {"nchw"}
-    if device == "cpu":  # the second look, with opforge's layers, ties too
-        assert "NCHW kept with opforge's layers too" in report.notes[1], str(report)
+    # the second look, with opforge's layers, ties too
+    assert "NCHW kept with opforge's layers too" in report.notes[1], str(report)
 
 
-def test_cpu_second_look_with_opforge_layers_can_take_channels_last(monkeypatch):
-    """torch's convs copy an NCHW weight for every channels_last input; opforge's prepacked layers
-    reorder theirs once, so the optimized model is timed again, and may run channels_last inside."""
+def test_second_look_with_opforge_layers_can_take_channels_last(monkeypatch, device, no_tf32):
+    """torch's convs copy an NCHW weight for every channels_last input; opforge's layers reorder
+    (CPU) or copy (CUDA) theirs once, so the optimized model is timed again, and may run
+    channels_last inside."""
     timings(monkeypatch, 10.0, 10.0, optimized=(5.0, 10.0))
-    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
-    x = torch.randn(1, 3, 32, 32)
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval().to(device)
+    x = torch.randn(1, 3, 32, 32, device=device)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
     assert "not faster" in report.notes[0]
     assert "channels_last inside with opforge's layers" in report.notes[1], str(report)
@@ -327,6 +328,25 @@ def test_layouts_may_differ_by_rounding_not_by_values():
     assert not optimize_layout._same(y.to(torch.float64), y)  # another dtype
     half = y.to(torch.bfloat16)
     assert optimize_layout._same(half, half.clone()) and not optimize_layout._same(half.flip(1), half)
+
+
+@pytest.mark.cuda
+def test_on_cuda_nchw_weights_are_copied_to_channels_last_once(monkeypatch, no_tf32):
+    """cuDNN takes a channels_last input with a channels_last weight: an NCHW model run
+    channels_last inside would copy each NCHW weight on every call; opforge's layers copy it once."""
+    timings(monkeypatch, 5.0, 10.0)
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval().cuda()
+    x = torch.randn(1, 3, 64, 64, device="cuda")
+    fast = opforge.optimize(model, example_inputs=(x,))
+    with torch.no_grad():
+        out, ref = fast(x), model(x)
+    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+    layers = [m for m in fast.modules() if isinstance(m, opforge.nn.PrepackedConv2d)]
+    assert any(m.kernel_size == (7, 7) for m in layers), fast  # the stem, folded
+    for m in layers:
+        assert m.weight.is_contiguous()  # the parameter keeps its format
+        if m.kernel_size != (1, 1):  # a 1x1 kernel's NCHW weight is channels_last too: nothing to copy
+            assert nn_prepacked_ops.cached_channels_last(m.weight) is not None, m
 
 
 def test_the_cached_choice_is_per_device():

@@ -11,6 +11,7 @@ from conv_bounds import TORCH_ACT
 from reference import randomize_batchnorm
 
 import opforge
+from opforge import nn_prepacked_ops
 from opforge.nn_prepacked import onednn_runs
 from opforge.optimize_residual import engines_for
 
@@ -32,11 +33,13 @@ def tolerance(dtype, conv):
     return {torch.float64: 1e-12, torch.float32: 1e-6 * terms, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
 
 
-def make(dtype, channels_last, device="cpu", stride=1, groups=1, activation="relu", engine="torch"):
+def make(dtype, channels_last, device="cpu", stride=1, groups=1, activation="relu", engine="torch", nchw_weight=False):
+    """The conv, its ConvResidual, an input and a residual; ``nchw_weight``: the weight stays NCHW
+    while the tensors are channels_last (an NCHW model run channels_last inside)."""
     conv = torch.nn.Conv2d(8, 8, 3, stride=stride, padding=1, groups=groups).eval().to(device, dtype)
     x = torch.randn(2, 8, 13, 11, dtype=dtype, device=device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    conv = conv.to(memory_format=fmt)
+    conv = conv.to(memory_format=torch.contiguous_format if nchw_weight else fmt)
     x = x.contiguous(memory_format=fmt)
     with torch.no_grad():
         shape = conv(x).shape
@@ -45,11 +48,13 @@ def make(dtype, channels_last, device="cpu", stride=1, groups=1, activation="rel
     return conv, layer, x, r
 
 
-def check_engine(engine, dtype, channels_last, device, activation="relu", stride=1, groups=1):
-    conv, layer, x, r = make(dtype, channels_last, device, stride, groups, activation, engine)
+def check_engine(engine, dtype, channels_last, device, activation="relu", stride=1, groups=1, nchw_weight=False):
+    conv, layer, x, r = make(dtype, channels_last, device, stride, groups, activation, engine, nchw_weight)
     with torch.no_grad():
         out = layer(x, r)
         torch_out = conv(x)
+    if nchw_weight:  # the weight's channels_last copy is made once, the parameter keeps its format
+        assert layer.weight.is_contiguous() and nn_prepacked_ops.cached_channels_last(layer.weight) is not None
     ref = reference(conv, x, r, activation)
     assert out.dtype == dtype and out.shape == ref.shape
     assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
@@ -94,6 +99,18 @@ def test_cuda_engines_match_float64(engine, channels_last, dtype, stride, groups
     torch.backends.cudnn.allow_tf32 = False
     try:
         check_engine(engine, dtype, channels_last, "cuda", "relu", stride, groups)
+    finally:
+        torch.backends.cudnn.allow_tf32 = True
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["torch", "add_relu", "cudnn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stride, groups", [(1, 1), (2, 1), (1, 8)])
+def test_cuda_engines_with_nchw_weight_and_channels_last_inputs(engine, dtype, stride, groups):
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        check_engine(engine, dtype, True, "cuda", "relu", stride, groups, nchw_weight=True)
     finally:
         torch.backends.cudnn.allow_tf32 = True
 

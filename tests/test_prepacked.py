@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conv_bounds import TORCH_ACT
 
 import opforge
+from opforge import nn_prepacked_ops
 from opforge.nn_prepacked import onednn_runs
 
 needs_onednn = pytest.mark.skipif(not onednn_runs(torch.float32), reason="this torch build has no oneDNN")
@@ -339,3 +340,59 @@ def test_cuda_relu_runs_cudnns_fused_conv(layer, channels_last, dtype):
     x.requires_grad_()
     fast(x).float().sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_channels_last_weight_is_copied_once_per_weight_version():
+    weight = torch.nn.Parameter(torch.randn(6, 4, 3, 3))
+    x = torch.randn(1, 4, 5, 5).to(memory_format=torch.channels_last)
+    first = nn_prepacked_ops.channels_last_weight(x, weight)
+    assert first.is_contiguous(memory_format=torch.channels_last) and not first.is_contiguous()
+    assert torch.equal(first, weight) and not first.requires_grad
+    assert nn_prepacked_ops.channels_last_weight(x, weight) is first
+    assert weight.is_contiguous()  # the parameter keeps its format
+    with torch.no_grad():
+        weight.mul_(-2)  # an in-place change bumps the version: a new copy
+    second = nn_prepacked_ops.channels_last_weight(x, weight)
+    assert second is not first and torch.equal(second, weight)
+    weight.data = torch.randn(6, 4, 3, 3)  # new data: a new copy
+    assert torch.equal(nn_prepacked_ops.channels_last_weight(x, weight), weight)
+    nn_prepacked_ops.drop(weight)
+    assert nn_prepacked_ops.cached_channels_last(weight) is None
+    # Nothing to copy: an NCHW input, a weight already in (or also in) channels_last, a 1x1 kernel.
+    assert nn_prepacked_ops.channels_last_weight(x.contiguous(), weight) is weight
+    cl = weight.detach().to(memory_format=torch.channels_last)
+    assert nn_prepacked_ops.channels_last_weight(x, cl) is cl
+    pointwise = torch.randn(6, 4, 1, 1)
+    assert nn_prepacked_ops.channels_last_weight(x, pointwise) is pointwise
+    with torch.inference_mode():
+        frozen = torch.randn(6, 4, 3, 3)  # no version counter: never cached
+    assert nn_prepacked_ops.channels_last_weight(x, frozen) is frozen
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", [None, "relu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_nchw_weight_with_channels_last_input_is_copied_once(activation, dtype):
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1).eval().to("cuda", dtype)
+    fast = opforge.nn.PrepackedConv2d.from_conv(conv, activation=activation)
+    x = torch.randn(2, 8, 13, 11, dtype=dtype, device="cuda").to(memory_format=torch.channels_last)
+    tol = {torch.float32: 1e-6 * conv.weight[0].numel(), torch.bfloat16: 1.6e-2}[dtype]
+
+    def check(out):
+        ref = reference(x, conv, activation)
+        torch.testing.assert_close(out.double(), ref, atol=tol * (ref.abs().max().item() + 1), rtol=0)
+
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False), torch.no_grad():
+        out = fast(x)
+        copied = nn_prepacked_ops.cached_channels_last(fast.weight)
+        assert copied is not None and copied.is_contiguous(memory_format=torch.channels_last)
+        assert fast.weight.is_contiguous()  # the parameter keeps its format
+        assert out.stride() == conv(x).stride()
+        check(out)
+        for w in (fast.weight, conv.weight):
+            w.mul_(-1)  # the copy follows the weight
+        check(fast(x))
+        assert nn_prepacked_ops.cached_channels_last(fast.weight) is not copied
+    # With a gradient recorded the parameter itself goes to the conv, and gets its gradient.
+    fast(x).float().sum().backward()
+    assert fast.weight.grad is not None and fast.weight.grad.shape == fast.weight.shape

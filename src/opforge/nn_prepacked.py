@@ -61,7 +61,10 @@ class PrepackedConv2d(torch.nn.Module):
     ReLU, one call. Everywhere else (training, other activations on CUDA,
     other dtypes, autocast, CUDA while ``torch.compile`` traces it, where
     inductor fuses the activation itself, and ``torch.export``) it is
-    ``F.conv2d`` and the activation. Under ``torch.compile`` the CPU path
+    ``F.conv2d`` and the activation. A CUDA inference call on a
+    channels_last input with an NCHW weight hands cuDNN a channels_last copy
+    of the weight made once (ATen would copy it on every call), kept until
+    the weight changes. Under ``torch.compile`` the CPU path
     stays one opaque op, ``opforge::onednn_conv`` (``opforge.nn_prepacked_ops``).
     The parameters are ``weight`` and ``bias``, as in ``nn.Conv2d``; the
     reordered copy is a cache, rebuilt when the weight is changed or moved (a
@@ -178,6 +181,7 @@ class PrepackedConv2d(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._weight_bias()
         if self._cudnn_path(x, weight, bias):
+            weight = nn_prepacked_ops.channels_last_weight(x, weight)
             return torch.cudnn_convolution_relu(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
         if self._fast_path(x, weight, bias):
             if torch.compiler.is_compiling():
@@ -188,7 +192,9 @@ class PrepackedConv2d(torch.nn.Module):
                 self.groups, attr, scalars, "",
             )  # fmt: skip
             return self._in_conv_format(y, x, weight)
-        y = F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+        y = F.conv2d(
+            x, cuda_inference_weight(x, weight, bias), bias, self.stride, self.padding, self.dilation, self.groups
+        )
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
 
@@ -206,6 +212,15 @@ def registered(module: torch.nn.Module, store: str, name: str):
     opforge.nn's layers: Module.__getattr__ costs several times a dict lookup."""
     registry = getattr(module, store)  # an instance attribute: no Module.__getattr__
     return registry[name] if name in registry else getattr(module, name)
+
+
+def cuda_inference_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The weight a CUDA inference conv of ``x`` should be handed: its cached channels_last copy
+    where ATen would copy it on every call (``nn_prepacked_ops.channels_last_weight``). Training
+    (autograd records the call), traced calls and other devices take the weight as it is."""
+    if not x.is_cuda or torch.compiler.is_compiling() or records_grad(weight, bias, x):
+        return weight
+    return nn_prepacked_ops.channels_last_weight(x, weight)
 
 
 def records_grad(weight: torch.Tensor, bias: torch.Tensor | None, *inputs: torch.Tensor) -> bool:

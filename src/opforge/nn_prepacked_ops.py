@@ -1,4 +1,4 @@
-"""oneDNN's prepacked convolution as one custom op, and the cache of reordered weights.
+"""oneDNN's prepacked convolution as one custom op, and the caches of prepared weights.
 
 Traced by ``torch.compile``, a :class:`~opforge.nn.PrepackedConv2d` (or a
 ``ConvResidual`` on its ``"onednn"`` engine) would otherwise become torch's
@@ -16,6 +16,8 @@ per-layer constant that would make dynamo compile each layer apart.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -56,8 +58,43 @@ def cached(weight: torch.Tensor) -> torch.Tensor | None:
     return None if entry is None else entry[1]
 
 
+# id(weight) -> (weakref to the weight, its data_ptr, its version, its channels_last copy). Keyed by
+# id, not by a weak key: this lookup runs once per layer call, and a weak-key lookup costs
+# microseconds, as much as the launch it saves on a fast path. The weakref's callback drops the
+# entry with its weight, before the id can be reused.
+_CHANNELS_LAST: dict[int, tuple] = {}
+
+
+def channels_last_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a convolution of ``x`` reads it: with a channels_last ``x``, ATen's convolution
+    copies an NCHW weight into channels_last on every call (one more kernel launch per layer, the
+    cost of an NCHW model run channels_last inside). That copy is made here once and kept until
+    the weight's data or version changes; the parameter itself keeps its format. Other inputs and
+    weights, and inference tensors (no version counter), are returned as they are."""
+    if weight.dim() != 4 or not is_channels_last(x) or weight.is_contiguous(memory_format=torch.channels_last):
+        return weight
+    if weight.is_inference():
+        return weight
+    key = id(weight)
+    entry = _CHANNELS_LAST.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr() and entry[2] == weight._version:
+        return entry[3]
+    copied = weight.detach().contiguous(memory_format=torch.channels_last)
+    ref = weakref.ref(weight, lambda _, key=key: _CHANNELS_LAST.pop(key, None))
+    _CHANNELS_LAST[key] = (ref, weight.data_ptr(), weight._version, copied)
+    return copied
+
+
+def cached_channels_last(weight: torch.Tensor) -> torch.Tensor | None:
+    """The channels_last copy cached for ``weight``, if a call made one."""
+    entry = _CHANNELS_LAST.get(id(weight))
+    return entry[3] if entry is not None and entry[0]() is weight else None
+
+
 def drop(weight: torch.Tensor) -> None:
     _PACKED.pop(weight, None)
+    if cached_channels_last(weight) is not None:
+        del _CHANNELS_LAST[id(weight)]
 
 
 def output_layout(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple[list[int], bool]:

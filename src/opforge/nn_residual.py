@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, records_grad
+from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, cuda_inference_weight, records_grad
 from .nn_prepacked_ops import output_layout
 from .ops.add import add_relu
 from .ops.conv import TORCH_ACTIVATIONS
@@ -72,8 +72,9 @@ class ConvResidual(PrepackedConv2d):
         layer.engine = engine
         return layer
 
-    def _torch(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups) + residual
+    def _torch(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        weight = cuda_inference_weight(x, weight, bias)
+        y = F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups) + residual
         act = TORCH_ACTIVATIONS[self.activation]
         return act(y) if act is not None else y
 
@@ -114,15 +115,17 @@ class ConvResidual(PrepackedConv2d):
             return self._in_conv_format(y, x, weight)
         cudnn = engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and not torch.compiler.is_compiling()
         if cudnn and self._fused_call_fits(x, residual, weight, bias):
+            weight = cuda_inference_weight(x, weight, bias)
             return torch.cudnn_convolution_add_relu(
                 x, weight, residual, 1.0, bias, self.stride, self.padding, self.dilation, self.groups
             )
         if engine == "add_relu" and not torch.compiler.is_compiling():
-            y = F.conv2d(x, weight, bias, self.stride, self.padding, self.dilation, self.groups)
+            conv_weight = cuda_inference_weight(x, weight, bias)
+            y = F.conv2d(x, conv_weight, bias, self.stride, self.padding, self.dilation, self.groups)
             if y.shape == residual.shape and y.dtype == residual.dtype:
                 return add_relu(y, residual)
             return F.relu(y + residual)
-        return self._torch(x, residual)
+        return self._torch(x, residual, weight, bias)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", engine={self._engine!r}"

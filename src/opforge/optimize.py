@@ -38,8 +38,10 @@ trace):
 - A model called with NCHW batches (CPU or CUDA; eval or training mode)
   runs channels_last inside (``optimize_layout``: a hook converts the inputs
   once and the 4-d outputs back) where that measures faster with torch's own
-  layers; an eval-mode CPU model that kept NCHW is timed once more with
-  opforge's layers in place, which may change the answer.
+  layers; an eval-mode model that kept NCHW is timed once more with
+  opforge's layers in place, which may change the answer. On CUDA a folded
+  conv whose weight is NCHW runs as a ``PrepackedConv2d``, which hands cuDNN
+  a channels_last copy of its weight made once, not per call.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
   opforge's op only where that op is also faster than what inductor makes of
   torch's conv (the conv, then its bias and activation fused into one pass);
@@ -61,7 +63,7 @@ from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import restore_unchanged_blocks, rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
-from .optimize_fold import folded_conv
+from .optimize_fold import as_installed, folded_conv
 from .optimize_layout import choose_channels_last, reconsider_channels_last
 from .optimize_patterns import Chain, describe_conv, find_chains
 from .optimize_report import LayerReport, OptimizeReport
@@ -132,16 +134,17 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         return _train_chain(model, chain, conv, bn, act, pattern, x if timed else None)
     if bn is not None:
         target = folded_conv(conv, bn)
-        pays, why = folding_pays(conv, bn, target, x) if timed else (True, "")
+        installed = as_installed(target)
+        pays, why = folding_pays(conv, bn, installed, x) if timed else (True, "")
         if pays:
-            kept = (target,)
+            kept = (installed,)
         else:
             fold_note = f"BatchNorm not folded: {why}"
     folded_kept = len(kept) == 1 and bn is not None
 
     def leave(reason: str) -> LayerReport:
         if folded_kept:
-            _set(model, chain.conv, target)
+            _set(model, chain.conv, kept[0])
             _set(model, chain.bn, torch.nn.Identity())
             return LayerReport(chain.conv, pattern, "BatchNorm folded", reason)
         return LayerReport(chain.conv, pattern, "left", "; ".join(r for r in (fold_note, reason) if r))

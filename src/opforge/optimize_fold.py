@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .nn_prepacked import PrepackedConv2d, explicit_padding
+
 
 def folded_weight_and_bias(
     weight: torch.Tensor, bias: torch.Tensor | None, bn: torch.nn.BatchNorm2d
@@ -49,3 +51,20 @@ def folded_conv(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d) -> torch.nn.Con
     out.weight = torch.nn.Parameter(weight, requires_grad=conv.weight.requires_grad)
     out.bias = torch.nn.Parameter(bias, requires_grad=conv.weight.requires_grad)
     return out.train(conv.training)
+
+
+def copies_weight_once(conv: torch.nn.Conv2d) -> bool:
+    """Folded, ``conv`` is installed as a layer that hands cuDNN a channels_last copy of its weight
+    made once (``as_installed``): a CUDA conv with zero padding whose weight is not channels_last."""
+    weight = conv.weight
+    if not weight.is_cuda or weight.is_contiguous(memory_format=torch.channels_last):
+        return False
+    return conv.padding_mode == "zeros" and explicit_padding(conv) is not None
+
+
+def as_installed(folded: torch.nn.Conv2d) -> torch.nn.Module:
+    """The folded conv as optimize installs it where no fused kernel replaces it. On CUDA a conv
+    whose weight is not channels_last becomes a ``PrepackedConv2d`` without an activation: the
+    same cuDNN convolution, except that with channels_last inputs (an NCHW model run
+    channels_last inside) the channels_last copy of the weight ATen makes per call is made once."""
+    return PrepackedConv2d.from_conv(folded) if copies_weight_once(folded) else folded

@@ -16,14 +16,16 @@ inputs on one device, the hooked model gives the original's outputs (a
 ``.view()`` that needs NCHW strides raises, and the choice is dropped), and
 it times at least 3% faster than the original on the example inputs, with
 torch's own layers, before any layer is replaced. In eval mode the timing is
-of a forward; in training mode of a forward and a backward, on a copy of the
-model, so that the model's BatchNorm statistics and gradients stay as they
-were (and the caller's random stream too). The timing is cached per
-process, by the model's architecture and mode and the inputs' shapes and
-device. An eval-mode CPU model that keeps NCHW there gets a second look
-once its layers are replaced (``reconsider_channels_last``): opforge's
-prepacked layers take channels_last inputs without the per-call weight copy
-that torch's convs make, so the optimized model's two layouts are timed too.
+of a forward (on CUDA with the weights of the convs a BatchNorm follows in
+channels_last, as opforge's folded layers hand them to cuDNN); in training
+mode of a forward and a backward, on a copy of the model, so that the
+model's BatchNorm statistics and gradients stay as they were (and the
+caller's random stream too). The timing is cached per process, by the
+model's architecture and mode and the inputs' shapes and device. An
+eval-mode model that keeps NCHW there gets a second look once its layers
+are replaced (``reconsider_channels_last``): opforge's layers take
+channels_last inputs without the per-call weight copy that torch's convs
+make, so the optimized model's two layouts are timed too.
 Under torch.compile on CUDA the hooks do nothing: inductor chooses the
 layout of a traced graph. On the CPU they stay traced (compiled NCHW
 models of the CPU table, hooks traced, measured 1.22-1.46x plain compile).
@@ -37,6 +39,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .optimize_choice import _MARGIN, _median_us
+from .optimize_fold import copies_weight_once
+from .optimize_patterns import find_chains
 
 
 def _is_nchw_batch(t) -> bool:
@@ -196,19 +200,32 @@ def _install_checked(probe: torch.nn.Module, call, device: torch.device, plain, 
     return handles
 
 
-def _timed(call, device: torch.device, handles: list, key: tuple) -> tuple[float, float]:
-    """(inside_us, nchw_us): ``call`` timed with the hooks ``handles`` on, then off (removed), once
-    per ``key`` in the process."""
+def _timed(call, device: torch.device, handles: list, key: tuple, nchw_call=None) -> tuple[float, float]:
+    """(inside_us, nchw_us): ``call`` timed with the hooks ``handles`` on, then ``nchw_call`` (by
+    default ``call``) with them off (removed), once per ``key`` in the process."""
     if key not in _timings:
         inside_us = _seeded(lambda: _median_us(call, device, calls=3, repeats=5), device)
         for h in handles:
             h.remove()
-        nchw_us = _seeded(lambda: _median_us(call, device, calls=3, repeats=5), device)
+        nchw_us = _seeded(lambda: _median_us(nchw_call or call, device, calls=3, repeats=5), device)
         _timings[key] = (inside_us, nchw_us)
     else:
         for h in handles:
             h.remove()
     return _timings[key]
+
+
+def _with_folded_weights_copied(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of an eval-mode CUDA ``model`` as it will run channels_last inside once optimized: each
+    conv a BatchNorm follows will be folded into a layer that hands cuDNN a channels_last copy of its
+    weight, made once (``optimize_fold.as_installed``), where torch's conv copies an NCHW weight on
+    every call. Timed with torch's layers, the copy's conv weights are channels_last already."""
+    inside = copy.deepcopy(model)
+    for chain in find_chains(inside):
+        conv = inside.get_submodule(chain.conv)
+        if chain.bn is not None and copies_weight_once(conv):
+            conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+    return inside
 
 
 def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple[bool, str]:
@@ -235,13 +252,21 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
     def same(hooked, plain) -> bool:
         return _same(hooked, plain, model.training) or _same_in_float32(model, example_inputs, device)
 
+    inside, inside_call, layers = probe, call, "torch's layers"
+    if device.type == "cuda" and not model.training:
+        inside = _with_folded_weights_copied(model)
+        inside_call, layers = (
+            _one_call(inside, example_inputs),
+            "torch's layers, weights as opforge's hand them to cuDNN",
+        )
     try:
-        handles = _install_checked(probe, call, device, plain, same)
+        handles = _install_checked(inside, inside_call, device, plain, same)
     except Exception as e:  # noqa: BLE001 - e.g. a .view() that needs NCHW strides
         return False, f"NCHW kept: the model does not run channels_last inside ({str(e)[:80]})"
-    inside_us, nchw_us = _timed(call, device, handles, (_architecture(model, batches), model.training))
+    key = (_architecture(model, batches), model.training)
+    inside_us, nchw_us = _timed(inside_call, device, handles, key, nchw_call=call)
     what = "forward + backward" if model.training else "forward"
-    times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, {what}, torch's layers"
+    times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, {what}, {layers}"
     if inside_us * _MARGIN > nchw_us:
         return False, f"NCHW kept: channels_last inside is not faster ({times})"
     _install(model)
@@ -249,17 +274,19 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
 
 
 def reconsider_channels_last(model: torch.nn.Module, example_inputs: tuple) -> str:
-    """A second look, for an eval-mode CPU model that kept NCHW: the optimized model's two layouts
+    """A second look, for an eval-mode model that kept NCHW: the optimized model's two layouts
     timed, the hooks installed where channels_last inside is the faster; what was found, or "".
 
     The first choice times torch's convs, which copy an NCHW weight to channels_last on every
-    call that gets a channels_last input (resnet50, batch 1: 59.1 against 47.3 ms); opforge's
-    prepacked layers reorder their weights once, so the optimized model can gain from channels_last
-    where the original lost. Cached per process like the first choice."""
+    call that gets a channels_last input (CPU, resnet50, batch 1: 59.1 against 47.3 ms); opforge's
+    layers reorder (CPU) or copy (CUDA) their weights once, so the optimized model can gain from
+    channels_last where the original lost. Cached per process like the first choice."""
     if model.training or has_channels_last_hooks(model):
         return ""
     batches = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    if not batches or any(t.device.type != "cpu" for t in batches) or not any(_is_nchw_batch(t) for t in batches):
+    if not batches or any(t.device != batches[0].device for t in batches):
+        return ""
+    if batches[0].device.type not in ("cpu", "cuda") or not any(_is_nchw_batch(t) for t in batches):
         return ""
     device = batches[0].device
     call = _one_call(model, example_inputs)
