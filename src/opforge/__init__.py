@@ -37,6 +37,7 @@ _OPS = (
     "conv2d_3x3",
     "conv2d_1x1",
     "conv2d_batch_norm",
+    "squeeze_excitation",
 )
 _NEEDS_KERNELS = frozenset(_OPS) | {"nn", "ops", "optimize"}
 
@@ -52,6 +53,7 @@ def _load_ops() -> None:
     from .ops.conv_batch_norm import conv2d_batch_norm
     from .ops.nms import batched_nms, nms, nms_padded
     from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
+    from .ops.squeeze_excitation import squeeze_excitation
     from .optimize import optimize
 
     # Not `from . import nn`: that asks this module's __getattr__ for `nn` first.
@@ -70,6 +72,7 @@ def _load_ops() -> None:
         log_softmax=log_softmax,
         scaled_masked_softmax=scaled_masked_softmax,
         softmax=softmax,
+        squeeze_excitation=squeeze_excitation,
         nn=nn,
         ops=ops,
         optimize=optimize,

@@ -50,6 +50,7 @@ SOURCES = extension.SourceSet(
         "csrc/cpu/conv_default.cpp",
         "csrc/cpu/conv_avx2.cpp",
         "csrc/cpu/conv_avx512.cpp",
+        "csrc/squeeze_excitation.cpp",
         "csrc/bench_noop.cpp",
     ],
     cuda_sources=[

@@ -10,6 +10,7 @@ from .nn_conv_batch_norm import ConvBatchNorm2d as ConvBatchNorm2d
 from .nn_prepacked import PrepackedConv2d as PrepackedConv2d
 from .nn_prepacked import with_params_of as _with_params_of
 from .nn_residual import ConvResidual as ConvResidual
+from .nn_squeeze_excitation import SqueezeExcitation as SqueezeExcitation
 from .ops.add import add, add_relu
 from .ops.conv import TORCH_ACTIVATIONS, conv2d_1x1, conv2d_3x3
 from .ops.softmax import log_softmax, scaled_masked_softmax, softmax

@@ -68,6 +68,7 @@ from .optimize_layout import choose_channels_last, reconsider_channels_last
 from .optimize_patterns import Chain, describe_conv, find_chains
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
+from .optimize_squeeze import apply_squeeze_blocks, find_squeeze_blocks
 
 # The activation modules conv2d_3x3 fuses, by its name for them.
 _FUSABLE_ACTIVATIONS = {
@@ -103,12 +104,17 @@ def optimize(
         # Before any layer is replaced: the layers are then timed on the layout they will see.
         _, why = choose_channels_last(out, example_inputs)
         notes += [why] if why else []
+    measured = example_inputs is not None
+    # Squeeze-and-excitation blocks first: replaced, their 1x1 convs are no chains of their own.
+    blocks = find_squeeze_blocks(out)
+    timed = blocks and measured and not force
+    squeezes = apply_squeeze_blocks(out, _layer_inputs(out, blocks, example_inputs) if timed else {}, measured, force)
     tails, rewritten = rewrite_blocks(out)
     chains = find_chains(out)
     names = [chain.conv for chain in chains] + [tail.name for tail in tails]
     inputs = _layer_inputs(out, names, example_inputs) if example_inputs is not None and not force else {}
-    measured = example_inputs is not None
     layers = {c.conv: _apply(out, c, inputs.get(c.conv, (None,))[0], measured, force) for c in chains}
+    layers.update({row.conv: row for row in squeezes})
     layers.update({t.name: apply_tail(out, t, inputs.get(t.name), measured, force) for t in tails})
     restore_unchanged_blocks(out, rewritten, [name for name, layer in layers.items() if layer.action != "left"])
     if example_inputs is not None and not force:

@@ -1,0 +1,88 @@
+"""Squeeze-and-excitation blocks in ``opforge.optimize``: each becomes one op call where that is faster.
+
+A block is torchvision's ``SqueezeExcitation`` (the class itself: a subclass
+may compute something else) whose parts the op computes
+(``nn_squeeze_excitation.why_not_fusable``). In eval mode, with
+``example_inputs``, it is timed against the block on the input it saw in the
+example run and replaced where the op is faster; ``force=True`` replaces
+every such block untimed. Training mode keeps the blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .nn_squeeze_excitation import SqueezeExcitation, why_not_fusable
+from .optimize_choice import _MARGIN, _cache, _layout, _median_us
+from .optimize_report import LayerReport
+
+PATTERN = "SqueezeExcitation (avgpool -> fc1 -> activation -> fc2 -> scale_activation -> mul)"
+
+
+def is_squeeze_block(m: torch.nn.Module) -> bool:
+    cls = type(m)
+    return cls.__name__ == "SqueezeExcitation" and cls.__module__.startswith("torchvision.")
+
+
+def find_squeeze_blocks(model: torch.nn.Module) -> list[str]:
+    """The qualified names of the model's squeeze-and-excitation blocks (each used once)."""
+    counts: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        counts[id(m)] = counts.get(id(m), 0) + 1
+    return [name for name, m in model.named_modules() if name and is_squeeze_block(m) and counts[id(m)] == 1]
+
+
+def _has_hooks(m: torch.nn.Module) -> bool:
+    return any(
+        bool(getattr(sub, attr))
+        for sub in m.modules()
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
+    )
+
+
+def _faster(block: torch.nn.Module, fused: SqueezeExcitation, x: torch.Tensor) -> tuple[bool, str]:
+    """Whether the op beats the block on ``x`` by the margin, and the times; cached per shape."""
+    key = ("squeeze", str(x.device), x.dtype, _layout(x), tuple(x.shape), tuple(fused.fc1.weight.shape))
+    key += (fused.activation_name, fused.scale_activation_name)
+    if key not in _cache:
+        with torch.no_grad():
+            theirs = _median_us(lambda: block(x), x.device)
+            ours = _median_us(lambda: fused(x), x.device)
+        win = ours * _MARGIN <= theirs
+        _cache[key] = (win, f"measured {ours:.1f} us vs {theirs:.1f} us for the block's modules")
+    return _cache[key]
+
+
+def apply_squeeze_blocks(
+    model: torch.nn.Module, inputs: dict[str, tuple], measured: bool, force: bool
+) -> list[LayerReport]:
+    """Replace the blocks found in ``model`` (see the module's docs); a report row per block."""
+    rows = []
+    for name in find_squeeze_blocks(model):
+        block = model.get_submodule(name)
+        why = why_not_fusable(block)
+        if not why and block.training:
+            why = "training mode: the block's modules are kept"
+        if not why and _has_hooks(block):
+            why = "the block or one of its parts has hooks, which one op call would not run"
+        if why:
+            rows.append(LayerReport(name, PATTERN, "left", why))
+            continue
+        fused = SqueezeExcitation.from_module(block)
+        if force:
+            reason = "force=True: not timed"
+        elif not measured:
+            rows.append(LayerReport(name, PATTERN, "left", "pass example_inputs to time the op on this block"))
+            continue
+        elif name not in inputs:
+            rows.append(LayerReport(name, PATTERN, "left", "not called by example_inputs"))
+            continue
+        else:
+            win, reason = _faster(block, fused, inputs[name][0])
+            if not win:
+                rows.append(LayerReport(name, PATTERN, "left", reason))
+                continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, fused)
+        rows.append(LayerReport(name, PATTERN, "one opforge.squeeze_excitation call", reason))
+    return rows
