@@ -205,14 +205,32 @@ def test_optimize_replaces_timed_blocks_and_keeps_outputs(monkeypatch):
         assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_optimize_force_replaces_every_block_and_training_keeps_them():
-    model = randomize_batchnorm(torchvision.models.mobilenet_v3_small(num_classes=10))
-    forced = opforge.optimize(copy.deepcopy(model).eval(), force=True)
+def test_optimize_force_replaces_every_block():
+    model = randomize_batchnorm(torchvision.models.mobilenet_v3_small(num_classes=10)).eval()
+    forced = opforge.optimize(model, force=True)
     assert not any(isinstance(m, TorchvisionSE) for m in forced.modules())
-    trained, report = opforge.optimize(model.train(), example_inputs=(torch.randn(2, 3, 32, 32),), report=True)
-    assert any(isinstance(m, TorchvisionSE) for m in trained.modules())
+    assert any(isinstance(m, opforge.nn.SqueezeExcitation) for m in forced.modules())
+
+
+def test_optimize_in_training_times_forward_and_backward_and_trains_alike(monkeypatch):
+    """In training the op's gradients are autograd's through its ATen ops: one step matches."""
+    model = randomize_batchnorm(torchvision.models.mobilenet_v3_small(num_classes=10)).double().train()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    monkeypatch.setattr(optimize_choice, "_cache", {})
+    fast, report = opforge.optimize(copy.deepcopy(model), example_inputs=(x,), report=True)
     rows = [r for r in report.layers if r.pattern.startswith("SqueezeExcitation")]
-    assert rows and all(r.action == "left" and r.reason.startswith("training mode") for r in rows)
+    assert rows and all("forward + backward" in r.reason for r in rows), str(report)
+    assert all(p.grad is None for p in model.parameters())  # the timing left the model's gradients alone
+    fused = sum(isinstance(m, opforge.nn.SqueezeExcitation) for m in fast.modules())
+    assert fused == sum(r.action != "left" for r in rows)
+    for m in (model, fast):
+        torch.manual_seed(0)  # the classifier's dropout draws the same mask in both
+        m(x).square().mean().backward()
+    # Training BatchNorm amplifies another summation order's rounding (the layout may change):
+    # the absolute floor scales with the largest gradient, as in test_optimize_architectures.py.
+    scale = max(p.grad.abs().max().item() for p in model.parameters())
+    for (name, p), q in zip(model.named_parameters(), fast.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-12 * scale, rtol=1e-9, msg=name)
 
 
 def test_optimize_leaves_hooked_and_subclassed_blocks():

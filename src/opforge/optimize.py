@@ -35,6 +35,9 @@ trace):
   gets a copy per call, and each ``conv [-> BatchNorm] -> add(shortcut) ->
   activation`` tail becomes one ``opforge.nn.ConvResidual`` on the engine
   that times fastest.
+- torchvision's ``SqueezeExcitation`` blocks (``optimize_squeeze``): each
+  becomes one ``opforge.squeeze_excitation`` call where that times faster
+  (eval and training mode).
 - A model called with NCHW batches (CPU or CUDA; eval or training mode)
   runs channels_last inside (``optimize_layout``: a hook converts the inputs
   once and the 4-d outputs back) where that measures faster with torch's own

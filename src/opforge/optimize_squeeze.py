@@ -2,10 +2,12 @@
 
 A block is torchvision's ``SqueezeExcitation`` (the class itself: a subclass
 may compute something else) whose parts the op computes
-(``nn_squeeze_excitation.why_not_fusable``). In eval mode, with
+(``nn_squeeze_excitation.why_not_fusable``). With
 ``example_inputs``, it is timed against the block on the input it saw in the
-example run and replaced where the op is faster; ``force=True`` replaces
-every such block untimed. Training mode keeps the blocks.
+example run (a forward in eval mode, a forward and a backward in training:
+the op's gradients are autograd's through its ATen ops, the same as the
+block's) and replaced where the op is faster; ``force=True`` replaces every
+such block untimed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .nn_squeeze_excitation import SqueezeExcitation, why_not_fusable
-from .optimize_choice import _MARGIN, _cache, _layout, _median_us
+from .optimize_choice import _MARGIN, _cache, _layout, _median_us, _run
 from .optimize_report import LayerReport
 
 PATTERN = "SqueezeExcitation (avgpool -> fc1 -> activation -> fc2 -> scale_activation -> mul)"
@@ -41,15 +43,17 @@ def _has_hooks(m: torch.nn.Module) -> bool:
 
 
 def _faster(block: torch.nn.Module, fused: SqueezeExcitation, x: torch.Tensor) -> tuple[bool, str]:
-    """Whether the op beats the block on ``x`` by the margin, and the times; cached per shape."""
+    """Whether the op beats the block on ``x`` by the margin, and the times; cached per shape and mode.
+    In training mode both are timed as a forward and a backward (``optimize_choice._run``)."""
+    training = block.training
     key = ("squeeze", str(x.device), x.dtype, _layout(x), tuple(x.shape), tuple(fused.fc1.weight.shape))
-    key += (fused.activation_name, fused.scale_activation_name)
+    key += (fused.activation_name, fused.scale_activation_name, training)
     if key not in _cache:
-        with torch.no_grad():
-            theirs = _median_us(lambda: block(x), x.device)
-            ours = _median_us(lambda: fused(x), x.device)
+        theirs = _median_us(lambda: _run((block,), None, x, training), x.device)
+        ours = _median_us(lambda: _run((fused,), None, x, training), x.device)
         win = ours * _MARGIN <= theirs
-        _cache[key] = (win, f"measured {ours:.1f} us vs {theirs:.1f} us for the block's modules")
+        what = "forward + backward" if training else "forward"
+        _cache[key] = (win, f"measured {ours:.1f} us vs {theirs:.1f} us for the block's modules, {what}")
     return _cache[key]
 
 
@@ -61,8 +65,6 @@ def apply_squeeze_blocks(
     for name in find_squeeze_blocks(model):
         block = model.get_submodule(name)
         why = why_not_fusable(block)
-        if not why and block.training:
-            why = "training mode: the block's modules are kept"
         if not why and _has_hooks(block):
             why = "the block or one of its parts has hooks, which one op call would not run"
         if why:
