@@ -226,11 +226,12 @@ def test_optimize_in_training_times_forward_and_backward_and_trains_alike(monkey
     for m in (model, fast):
         torch.manual_seed(0)  # the classifier's dropout draws the same mask in both
         m(x).square().mean().backward()
-    # Training BatchNorm amplifies another summation order's rounding (the layout may change):
-    # the absolute floor scales with the largest gradient, as in test_optimize_architectures.py.
+    # The op sums in another order than the 1x1 convs (a matrix product), and training BatchNorm
+    # over a batch of two at this input's last stages (1x1 and 2x2 planes) amplifies that float64
+    # rounding to 1e-11 of the largest gradient (seeds 0-2); a wrong gradient is off by far more.
     scale = max(p.grad.abs().max().item() for p in model.parameters())
     for (name, p), q in zip(model.named_parameters(), fast.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, atol=1e-12 * scale, rtol=1e-9, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-9 * scale, rtol=1e-7, msg=name)
 
 
 def test_optimize_leaves_hooked_and_subclassed_blocks():
