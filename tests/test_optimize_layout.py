@@ -349,6 +349,27 @@ def test_on_cuda_nchw_weights_are_copied_to_channels_last_once(monkeypatch, no_t
             assert nn_prepacked_ops.cached_channels_last(m.weight) is not None, m
 
 
+def test_cuda_timing_copy_has_the_folded_convs_weights_in_channels_last(monkeypatch):
+    """On CUDA, channels_last inside is timed as optimize's layers will run: the convs a BatchNorm
+    follows hand cuDNN channels_last weights. The copy says so; the model keeps its weights.
+    (The predicate is CUDA's; here it is asked of CPU weights.)"""
+    monkeypatch.setattr(
+        optimize_layout,
+        "copies_weight_once",
+        lambda conv: not conv.weight.is_contiguous(memory_format=torch.channels_last),
+    )
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)
+    ).eval()
+    inside = optimize_layout._with_folded_weights_copied(model)
+    assert inside[0].weight.is_contiguous(memory_format=torch.channels_last) and not inside[0].weight.is_contiguous()
+    assert inside[3].weight.is_contiguous()  # no BatchNorm after it: torch's conv, copying per call
+    assert model[0].weight.is_contiguous() and inside[0].weight is not model[0].weight
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(inside(x), model(x))
+
+
 def test_the_cached_choice_is_per_device():
     model = torch.nn.Conv2d(3, 8, 3)
     key = optimize_layout._architecture(model, [torch.randn(1, 3, 8, 8)])
