@@ -20,8 +20,8 @@ torchvision = pytest.importorskip("torchvision")
 def timings(monkeypatch, inside_us: float, nchw_us: float, optimized: tuple[float, float] | None = None):
     """Make the model-level timing say channels_last inside takes inside_us, NCHW nchw_us; and, where
     a CPU eval model keeps NCHW, the optimized model's second look ``optimized`` (the same by default)."""
-    values = iter([inside_us, nchw_us, *(optimized or (inside_us, nchw_us))])
-    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: next(values))
+    pairs = iter([(inside_us, nchw_us), optimized or (inside_us, nchw_us)])
+    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: next(pairs))
     monkeypatch.setattr(optimize_layout, "_timings", {})  # no choice cached by an earlier test
 
 
@@ -32,7 +32,7 @@ def test_the_choice_is_made_once_per_architecture(monkeypatch):
     x = torch.randn(1, 3, 32, 32)
     first = opforge.optimize(model, example_inputs=(x,))
     timings_now = dict(optimize_layout._timings)
-    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: pytest.fail("timed twice"))
+    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: pytest.fail("timed twice"))
     second = opforge.optimize(model, example_inputs=(x,))
     assert optimize_layout._timings == timings_now
     second.load_state_dict(first.state_dict())
@@ -112,14 +112,14 @@ def test_second_look_with_opforge_layers_can_take_channels_last(monkeypatch, dev
     assert out.stride() == ref.stride()
     torch.testing.assert_close(out, ref, atol=2e-5 * ref.abs().max().item(), rtol=2e-5)
     # The second look is cached too: optimizing the model again times nothing and decides alike.
-    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: pytest.fail("timed twice"))
+    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: pytest.fail("timed twice"))
     again = opforge.optimize(model, example_inputs=(x,))
     assert optimize_layout.has_channels_last_hooks(again)
 
 
 def test_no_second_look_in_training(monkeypatch):
-    values = iter([10.0, 10.0])
-    monkeypatch.setattr(optimize_layout, "_median_us", lambda *args, **kwargs: next(values))
+    pairs = iter([(10.0, 10.0)])
+    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: next(pairs))
     monkeypatch.setattr(optimize_layout, "_timings", {})
     model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).train()
     fast, report = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),), report=True)
@@ -169,7 +169,7 @@ def test_not_considered_for_channels_last_inputs_or_no_example(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("no model-level timing expected")
 
-    monkeypatch.setattr(optimize_layout, "_median_us", fail)
+    monkeypatch.setattr(optimize_layout, "_interleaved_us", fail)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval()
     x = torch.randn(2, 3, 8, 8)
     cases = [
@@ -368,6 +368,14 @@ def test_cuda_timing_copy_has_the_folded_convs_weights_in_channels_last(monkeypa
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(inside(x), model(x))
+
+
+def test_the_layouts_are_timed_in_turns(monkeypatch):
+    """A host whose speed drifts while the two are timed must shift both alike: rounds alternate."""
+    order = []
+    monkeypatch.setattr(optimize_layout, "_median_us", lambda fn, *a, **k: (order.append(fn), 1.0)[1])
+    assert optimize_layout._interleaved_us("inside", "nchw", torch.device("cpu"), rounds=3) == (1.0, 1.0)
+    assert order == ["inside", "nchw"] * 3
 
 
 def test_the_cached_choice_is_per_device():

@@ -15,7 +15,9 @@ It is taken only where it is measured: CPU or CUDA, 4-d NCHW example
 inputs on one device, the hooked model gives the original's outputs (a
 ``.view()`` that needs NCHW strides raises, and the choice is dropped), and
 it times at least 3% faster than the original on the example inputs, with
-torch's own layers, before any layer is replaced. In eval mode the timing is
+torch's own layers, before any layer is replaced (the two timed in
+alternating rounds, so that a host whose speed drifts meanwhile shifts
+both alike). In eval mode the timing is
 of a forward (on CUDA with the weights of the convs a BatchNorm follows in
 channels_last, as opforge's folded layers hand them to cuDNN); in training
 mode of a forward and a backward, on a copy of the model, so that the
@@ -34,6 +36,7 @@ models of the CPU table, hooks traced, measured 1.22-1.46x plain compile).
 from __future__ import annotations
 
 import copy
+import statistics
 
 import torch
 from torch.utils._pytree import tree_map
@@ -186,32 +189,44 @@ def _seeded(fn, device: torch.device):
         return fn()
 
 
-def _install_checked(probe: torch.nn.Module, call, device: torch.device, plain, same) -> list:
-    """The hooks installed on ``probe``, where ``call``'s outputs with them pass ``same(hooked, plain)``;
-    elsewhere the hooks come off again and the error (or "outputs differ") is raised."""
-    handles = _install(probe)
-    try:
-        if not same(_seeded(call, device), plain):
-            raise RuntimeError("outputs differ")
-    except Exception:
-        for h in handles:
-            h.remove()
-        raise
-    return handles
+class _Inside(torch.nn.Module):
+    """``model`` called through the hooks, beside the model itself, so that the two layouts can be
+    timed in turns (no hook is put on or taken off between the rounds)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.training = model.training  # the attribute only: .train() would set the model's modules
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
 
 
-def _timed(call, device: torch.device, handles: list, key: tuple, nchw_call=None) -> tuple[float, float]:
-    """(inside_us, nchw_us): ``call`` timed with the hooks ``handles`` on, then ``nchw_call`` (by
-    default ``call``) with them off (removed), once per ``key`` in the process."""
+def _hooked_call(model: torch.nn.Module, example_inputs: tuple, device: torch.device, plain, same):
+    """``_one_call`` of ``model`` with the hooks on, where its outputs pass ``same(hooked, plain)``;
+    elsewhere the error (or "outputs differ") is raised. The model itself gets no hook."""
+    inside = _Inside(model)
+    _install(inside)
+    call = _one_call(inside, example_inputs)
+    if not same(_seeded(call, device), plain):
+        raise RuntimeError("outputs differ")
+    return call
+
+
+def _interleaved_us(first, second, device: torch.device, rounds: int = 5, calls: int = 3) -> tuple[float, float]:
+    """Median us per call of ``first`` and of ``second``, timed in alternating rounds: a host whose
+    speed drifts while they are timed shifts both alike."""
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(_median_us(first, device, calls=calls, repeats=1))
+        b.append(_median_us(second, device, calls=calls, repeats=1))
+    return statistics.median(a), statistics.median(b)
+
+
+def _timed(inside_call, nchw_call, device: torch.device, key: tuple) -> tuple[float, float]:
+    """(inside_us, nchw_us), timed in turns once per ``key`` in the process."""
     if key not in _timings:
-        inside_us = _seeded(lambda: _median_us(call, device, calls=3, repeats=5), device)
-        for h in handles:
-            h.remove()
-        nchw_us = _seeded(lambda: _median_us(nchw_call or call, device, calls=3, repeats=5), device)
-        _timings[key] = (inside_us, nchw_us)
-    else:
-        for h in handles:
-            h.remove()
+        _timings[key] = _seeded(lambda: _interleaved_us(inside_call, nchw_call, device), device)
     return _timings[key]
 
 
@@ -252,19 +267,15 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
     def same(hooked, plain) -> bool:
         return _same(hooked, plain, model.training) or _same_in_float32(model, example_inputs, device)
 
-    inside, inside_call, layers = probe, call, "torch's layers"
+    inside, layers = probe, "torch's layers"
     if device.type == "cuda" and not model.training:
-        inside = _with_folded_weights_copied(model)
-        inside_call, layers = (
-            _one_call(inside, example_inputs),
-            "torch's layers, weights as opforge's hand them to cuDNN",
-        )
+        inside, layers = _with_folded_weights_copied(model), "torch's layers, weights as opforge's hand them to cuDNN"
     try:
-        handles = _install_checked(inside, inside_call, device, plain, same)
+        inside_call = _hooked_call(inside, example_inputs, device, plain, same)
     except Exception as e:  # noqa: BLE001 - e.g. a .view() that needs NCHW strides
         return False, f"NCHW kept: the model does not run channels_last inside ({str(e)[:80]})"
     key = (_architecture(model, batches), model.training)
-    inside_us, nchw_us = _timed(inside_call, device, handles, key, nchw_call=call)
+    inside_us, nchw_us = _timed(inside_call, call, device, key)
     what = "forward + backward" if model.training else "forward"
     times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, {what}, {layers}"
     if inside_us * _MARGIN > nchw_us:
@@ -295,10 +306,10 @@ def reconsider_channels_last(model: torch.nn.Module, example_inputs: tuple) -> s
     except Exception:  # noqa: BLE001 - the model's own error surfaces where the caller runs it
         return ""
     try:
-        handles = _install_checked(model, call, device, plain, _same)
+        inside_call = _hooked_call(model, example_inputs, device, plain, _same)
     except Exception:  # noqa: BLE001 - as in the first choice, which then said why
         return ""
-    inside_us, nchw_us = _timed(call, device, handles, ("optimized", _architecture(model, batches)))
+    inside_us, nchw_us = _timed(inside_call, call, device, ("optimized", _architecture(model, batches)))
     times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, forward, opforge's layers"
     if inside_us * _MARGIN > nchw_us:
         return f"NCHW kept with opforge's layers too ({times})"
