@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import nn_prepacked_ops
 from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, cuda_inference_weight, records_grad
 from .nn_prepacked_ops import output_layout
 from .ops.add import add_relu
@@ -114,8 +115,8 @@ class ConvResidual(PrepackedConv2d):
             )  # fmt: skip
             return self._in_conv_format(y, x, weight)
         cudnn = engine == "cudnn" and x.is_cuda and x.dtype in CUDNN_FUSED_DTYPES and not torch.compiler.is_compiling()
-        if cudnn and self._fused_call_fits(x, residual, weight, bias):
-            weight = cuda_inference_weight(x, weight, bias)
+        if cudnn and self._fused_call_fits(x, residual, weight, bias):  # CUDA, nothing recorded or traced
+            weight = nn_prepacked_ops.channels_last_weight(x, weight)
             return torch.cudnn_convolution_add_relu(
                 x, weight, residual, 1.0, bias, self.stride, self.padding, self.dilation, self.groups
             )

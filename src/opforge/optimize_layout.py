@@ -230,6 +230,17 @@ def _timed(inside_call, nchw_call, device: torch.device, key: tuple) -> tuple[fl
     return _timings[key]
 
 
+def _nchw_batches(example_inputs: tuple) -> list[torch.Tensor]:
+    """The example inputs' tensors where both looks apply (all on one CPU or CUDA device, one of them
+    an NCHW batch), else []."""
+    batches = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    if not batches or any(t.device != batches[0].device for t in batches):
+        return []
+    if batches[0].device.type not in ("cpu", "cuda") or not any(_is_nchw_batch(t) for t in batches):
+        return []
+    return batches
+
+
 def _with_folded_weights_copied(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of an eval-mode CUDA ``model`` as it will run channels_last inside once optimized: each
     conv a BatchNorm follows will be folded into a layer that hands cuDNN a channels_last copy of its
@@ -247,12 +258,10 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
     """Install the hooks on ``model`` where they pay (see the module's docs); (installed, why)."""
     if has_channels_last_hooks(model):
         return True, "already runs channels_last inside"
-    batches = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    if not batches or any(t.device != batches[0].device for t in batches):
+    batches = _nchw_batches(example_inputs)
+    if not batches:
         return False, ""
     device = batches[0].device
-    if device.type not in ("cpu", "cuda") or not any(_is_nchw_batch(t) for t in batches):
-        return False, ""
     # A training model is timed as a copy: its steps change BatchNorm statistics and gradients.
     try:
         probe = copy.deepcopy(model) if model.training else model
@@ -294,10 +303,8 @@ def reconsider_channels_last(model: torch.nn.Module, example_inputs: tuple) -> s
     channels_last where the original lost. Cached per process like the first choice."""
     if model.training or has_channels_last_hooks(model):
         return ""
-    batches = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    if not batches or any(t.device != batches[0].device for t in batches):
-        return ""
-    if batches[0].device.type not in ("cpu", "cuda") or not any(_is_nchw_batch(t) for t in batches):
+    batches = _nchw_batches(example_inputs)
+    if not batches:
         return ""
     device = batches[0].device
     call = _one_call(model, example_inputs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .nn_squeeze_excitation import SqueezeExcitation, why_not_fusable
+from .optimize_blocks import _has_hooks
 from .optimize_choice import _MARGIN, _cache, _layout, _median_us, _run
 from .optimize_report import LayerReport
 
@@ -32,14 +33,6 @@ def find_squeeze_blocks(model: torch.nn.Module) -> list[str]:
     for _, m in model.named_modules(remove_duplicate=False):
         counts[id(m)] = counts.get(id(m), 0) + 1
     return [name for name, m in model.named_modules() if name and is_squeeze_block(m) and counts[id(m)] == 1]
-
-
-def _has_hooks(m: torch.nn.Module) -> bool:
-    return any(
-        bool(getattr(sub, attr))
-        for sub in m.modules()
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
-    )
 
 
 def _faster(block: torch.nn.Module, fused: SqueezeExcitation, x: torch.Tensor) -> tuple[bool, str]:
@@ -65,7 +58,7 @@ def apply_squeeze_blocks(
     for name in find_squeeze_blocks(model):
         block = model.get_submodule(name)
         why = why_not_fusable(block)
-        if not why and _has_hooks(block):
+        if not why and any(_has_hooks(m) for m in block.modules()):
             why = "the block or one of its parts has hooks, which one op call would not run"
         if why:
             rows.append(LayerReport(name, PATTERN, "left", why))
