@@ -382,10 +382,10 @@ def test_depthwise_backward_stride1(dtype, padding, relu, channels_last, c, devi
 @pytest.mark.parametrize("shape", [(3, 12, 37, 70), (2, 6, 8, 7), (1, 5, 3, 3), (2, 3, 4, 33), (1, 20, 9, 6)])
 def test_depthwise_backward_stride2_cpu(dtype, padding, relu, channels_last, shape):
     """The CPU's direct stride-2 depthwise backward (NCHW: grad x from even
-    and odd columns, weight sums on rows split the same way; NHWC: each
-    pixel's taps along the channels, the weight window moving two columns;
-    float32 NHWC goes to oneDNN): odd and even sizes, channel counts with and
-    without a vector tail, both paddings, against float64."""
+    and odd columns, weight sums on rows split the same way; NHWC: grad x
+    walking each grad_out row column by column, the weight window moving two
+    columns): odd and even sizes, channel counts with and without a vector
+    tail, both paddings, against float64."""
     c = shape[1]
     x = rand(shape, dtype)
     if channels_last:
@@ -407,11 +407,15 @@ def test_depthwise_backward_stride2_cpu(dtype, padding, relu, channels_last, sha
     assert gx.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-# (float32 channels_last at stride 2 goes through oneDNN, whose sums depend on
-# the threads; bfloat16 takes this library's loops there)
 @pytest.mark.parametrize(
     "channels_last,stride,dtype",
-    [(False, 1, torch.float32), (True, 1, torch.float32), (False, 2, torch.float32), (True, 2, torch.bfloat16)],
+    [
+        (False, 1, torch.float32),
+        (True, 1, torch.float32),
+        (False, 2, torch.float32),
+        (True, 2, torch.float32),
+        (True, 2, torch.bfloat16),
+    ],
 )
 def test_depthwise_backward_cpu_independent_of_threads(channels_last, stride, dtype):
     """The CPU weight and bias sums are added in an order fixed by the shape,

@@ -8,9 +8,8 @@
 // Non-contiguous inputs take one .contiguous() in their suggested memory format.
 // An unbatched (C, H, W) x runs as a batch of one.
 //
-// Backward: depthwise with multiplier 1 (but float32 channels_last at
-// stride 2), direct loops that apply the ReLU mask (result > 0) as they read
-// grad_out: grad x is the depthwise forward loop run on it with the kernel
+// Backward: depthwise with multiplier 1, direct loops that apply the ReLU
+// mask (result > 0) as they read grad_out: grad x is the depthwise forward loop run on it with the kernel
 // flipped (stride 1) or cpu/conv_dw_dgrad_kernels.h (stride 2), the weight /
 // bias sums cpu/conv_dw_grad_kernels.h. Dense at stride 1 in NCHW below
 // oneDNN's size: GEMMs on the padded image's columns (cpu/conv_dense_cpu.cpp).
@@ -120,17 +119,14 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
 // (Through ATen, oneDNN's CPU depthwise backward ran at a quarter of the
 // forward's bandwidth at stride 1, and its stride-2 NCHW grad x took 11x
 // the forward.)
-// float32 NHWC at stride 2 stays with oneDNN, up to 1.5x faster than these
-// loops there (0.87-1.52x over three shapes; its half-type and float64
-// paths were 10-35x slower), and so do float32 NCHW layers of 7-column
-// outputs over many planes (the forward's rule; there oneDNN's backward beat
-// these loops, the NHWC ones on transposed copies included, by up to 2x at
-// batch 64).
+// float32 NCHW layers of 7-column outputs over many planes stay with oneDNN
+// (the forward's rule; there oneDNN's backward beat these loops, the NHWC
+// ones on transposed copies included, by up to 2x at batch 64).
 bool direct_depthwise_backward(const Geometry& g, const at::Tensor& x) {
   const bool nhwc = opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast;
   const auto dtype = x.scalar_type();
   if (onednn_depthwise_pays(g, nhwc, dtype, 7) && dtype == at::kFloat) return false;
-  return g.depthwise && g.mult == 1 && !(g.stride == 2 && nhwc && dtype == at::kFloat);
+  return g.depthwise && g.mult == 1;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const at::Tensor& grad_out,
@@ -142,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward_direct(const a
   // NCHW planes of at most 7 output columns fill under half of a row vector, while the NHWC
   // loops fill every lane along the channels: they run on channels_last copies of the operands,
   // and grad x comes back in NCHW (the copies cost less than the lanes they fill). Not float32
-  // at stride 2, whose NHWC loops are the slow ones (see direct_depthwise_backward).
+  // at stride 2, where the NCHW loops measured faster than the copies and the NHWC loops.
   const bool via_nhwc = !o.nhwc && g.Wo <= kNhwcBackwardMaxWo && !(g.stride == 2 && o.x.scalar_type() == at::kFloat);
   if (via_nhwc) {
     constexpr auto cl = at::MemoryFormat::ChannelsLast;

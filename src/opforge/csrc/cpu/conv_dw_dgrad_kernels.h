@@ -11,10 +11,9 @@
 // each NCHW input row is two contiguous vector sums over one or two grad_out
 // rows, even and odd columns, interleaved once on the way out: no scatter,
 // and every output element is written once (work items are whole planes).
-// NHWC: each input row first passes its one or two grad_out rows into an
-// opmath buffer, then, per channel vector with its 9 weight vectors in
-// registers (weights transposed to (9, C)), each pixel sums its 1, 2 or 4
-// taps.
+// NHWC: each input row walks its one or two grad_out rows column by column,
+// each pair of output pixels written whole (channel vector by channel
+// vector, weights transposed to (9, C)) in the row's order; no staging.
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -113,9 +112,51 @@ void dw_dgrad_nchw_s2(const conv::DwBackwardParams& p) {
   });
 }
 
+// One NHWC input row of grad x at stride 2, from its NR (1 or 2) grad_out
+// rows gr[i] (masks mr[i], may be null) through kernel rows kh[i] of wt
+// (transposed to (9, Cp)). Per grad_out column j, channel vector by channel
+// vector: padded column 2 j takes g[j] w0 + g[j - 1] w2, padded column
+// 2 j + 1 takes g[j] w1 (g is zero outside [0, Wo)). The two output pixels
+// are written whole, one after the other, in the row's order.
+template <typename scalar_t, int NR>
+inline void dw_dgrad_nhwc_s2_row(const scalar_t* const* gr, const scalar_t* const* mr, const int* kh,
+                                 const at::opmath_type<scalar_t>* wt, int64_t Cp, scalar_t* out, int64_t C, int64_t W,
+                                 int64_t Wo, int64_t pad) {
+  using IO = VecIo<scalar_t>;
+  using V = at::vec::Vectorized<at::opmath_type<scalar_t>>;
+  constexpr int64_t L = V::size();
+  const int64_t cfull = C / L * L;
+  for (int64_t j = 0; j <= Wo; ++j) {
+    const int64_t ie = 2 * j - pad, io = 2 * j + 1 - pad;  // the two input columns
+    const bool we = ie >= 0 && ie < W, wo = io < W;
+    for (int64_t c0 = 0; c0 < C; c0 += L) {
+      const bool full = c0 < cfull;
+      const int n = full ? static_cast<int>(L) : static_cast<int>(C - c0);
+      auto passed = [&](const scalar_t* src, const scalar_t* m) {
+        return full ? load_passed(src, m) : load_passed(src, m, n);
+      };
+      V even(0), odd(0);
+      for (int i = 0; i < NR; ++i) {
+        const at::opmath_type<scalar_t>* wr = wt + kh[i] * 3 * Cp + c0;
+        const int64_t o = j * C + c0;
+        if (j < Wo) {
+          const V cur = passed(gr[i] + o, mr[i] ? mr[i] + o : nullptr);
+          even = at::vec::fmadd(cur, V::loadu(wr), even);
+          odd = at::vec::fmadd(cur, V::loadu(wr + Cp), odd);
+        }
+        if (j > 0) {
+          const V prev = passed(gr[i] + o - C, mr[i] ? mr[i] + o - C : nullptr);
+          even = at::vec::fmadd(prev, V::loadu(wr + 2 * Cp), even);
+        }
+      }
+      if (we) full ? IO::store(out + ie * C + c0, even) : IO::store(out + ie * C + c0, even, n);
+      if (wo) full ? IO::store(out + io * C + c0, odd) : IO::store(out + io * C + c0, odd, n);
+    }
+  }
+}
+
 template <typename scalar_t>
 void dw_dgrad_nhwc_s2(const conv::DwBackwardParams& p) {
-  using IO = VecIo<scalar_t>;
   using opmath_t = at::opmath_type<scalar_t>;
   using V = at::vec::Vectorized<opmath_t>;
   constexpr int64_t L = V::size();
@@ -129,43 +170,27 @@ void dw_dgrad_nhwc_s2(const conv::DwBackwardParams& p) {
     for (int t = 0; t < 9; ++t) wt[t * Cp + c] = static_cast<opmath_t>(w[c * 9 + t]);
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, W * C));
   at::parallel_for(0, p.N * H, grain, [&](int64_t begin, int64_t end) {
-    // An input row's one or two grad_out rows, passed and in opmath, each
-    // pixel's channels padded to Cp (zeros past C).
-    std::vector<opmath_t> buf(2 * Wo * Cp, opmath_t(0));
     for (int64_t row = begin; row < end; ++row) {
       const int64_t n = row / H, ih = row % H;
-      int64_t oh[2], ow[2];
-      int kh[2], kw[2];
+      int64_t oh[2];
+      int kh[2];
       const int nr = stride2_sources(ih + pad, Ho, oh, kh);
+      scalar_t* out = gx + row * W * C;
+      if (nr == 0) {  // a padded row no output row reads
+        std::fill(out, out + W * C, scalar_t(0));
+        continue;
+      }
+      const scalar_t* gr[2];
+      const scalar_t* mr[2];
       for (int i = 0; i < nr; ++i) {
         const int64_t off = (n * Ho + oh[i]) * Wo * C;
-        for (int64_t o = 0; o < Wo; ++o) {
-          for (int64_t c0 = 0; c0 < C; c0 += L) {
-            const int64_t at_g = off + o * C + c0;
-            const scalar_t* mp = mask ? mask + at_g : nullptr;
-            const V gv = c0 + L <= C ? load_passed(g + at_g, mp) : load_passed(g + at_g, mp, static_cast<int>(C - c0));
-            gv.store(buf.data() + (i * Wo + o) * Cp + c0);
-          }
-        }
+        gr[i] = g + off;
+        mr[i] = mask ? mask + off : nullptr;
       }
-      scalar_t* out = gx + row * W * C;
-      for (int64_t c0 = 0; c0 < C; c0 += L) {
-        const int cnt = static_cast<int>(std::min<int64_t>(L, C - c0));
-        V wk[9];
-        for (int t = 0; t < 9; ++t) wk[t] = V::loadu(wt.data() + t * Cp + c0);
-        for (int64_t iw = 0; iw < W; ++iw) {
-          const int nc = stride2_sources(iw + pad, Wo, ow, kw);
-          V acc(opmath_t(0));
-          for (int i = 0; i < nr; ++i) {
-            const opmath_t* b = buf.data() + i * Wo * Cp + c0;
-            for (int j = 0; j < nc; ++j) acc = at::vec::fmadd(V::loadu(b + ow[j] * Cp), wk[kh[i] * 3 + kw[j]], acc);
-          }
-          if (cnt == L) {
-            IO::store(out + iw * C + c0, acc);
-          } else {
-            IO::store(out + iw * C + c0, acc, cnt);
-          }
-        }
+      if (nr == 2) {
+        dw_dgrad_nhwc_s2_row<scalar_t, 2>(gr, mr, kh, wt.data(), Cp, out, C, W, Wo, pad);
+      } else {
+        dw_dgrad_nhwc_s2_row<scalar_t, 1>(gr, mr, kh, wt.data(), Cp, out, C, W, Wo, pad);
       }
     }
   });
