@@ -6,6 +6,7 @@ a rounding (cuDNN may pick another algorithm for a second call)."""
 
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -350,30 +351,46 @@ def test_optimize_training_step_equals_original(name):
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
-def test_timed_training_chains_stay_modules_where_the_op_runs_aten(name):
+def test_timed_training_chains_where_the_op_runs_aten(name):
     """With example_inputs, a chain whose conv output opforge's own engine would not take (here, on
-    the CPU) keeps torch's modules: the op would run their kernels, behind one more call."""
+    the CPU) never becomes the batch norm op, which would run the modules' kernels behind one more
+    call: its BatchNorm and activation stay modules, and its conv alone becomes opforge's layer
+    (no activation fused) only where that timed faster forward and backward."""
     model = train_model(name)
     x = torch.randn(2, 3, 64, 64)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
-    # Nothing paid, so nothing changed: not even the blocks rewritten to give shared ReLUs copies.
-    assert [type(m) for m in fast.modules()] == [type(m) for m in model.modules()]
+    assert not any(isinstance(m, opforge.nn.ConvBatchNorm2d) for m in fast.modules())
+
+    def batch_norms(m):
+        return [t for t in m.modules() if isinstance(t, torch.nn.BatchNorm2d)]
+
+    assert len(batch_norms(fast)) == len(batch_norms(model))
     chains = [layer for layer in report.layers if "BatchNorm2d" in layer.pattern]
-    assert len(chains) == sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    assert len(chains) == len(batch_norms(model))
     for layer in chains:
-        assert layer.action == "left", layer
         assert "would run ATen's kernels here (on the CPU)" in layer.reason, layer
-    n = len(report.layers)
-    assert report.replaced == [] and str(report).endswith(f"0 of {n} layers changed, {n} left")
+        conv = fast.get_submodule(layer.conv)
+        if layer.action == "left":
+            assert type(conv) is torch.nn.Conv2d, layer
+            assert "the conv alone" in layer.reason or "no kernel for this conv" in layer.reason, layer
+        else:
+            assert re.fullmatch(r"opforge conv2d_(3x3|1x1) \(BatchNorm2d( and \w+)? kept\)", layer.action), layer
+            assert isinstance(conv, (opforge.nn.Conv2d3x3, opforge.nn.Conv2d1x1)) and conv.activation is None
+            assert "the conv alone: measured" in layer.reason, layer
     # The timing on example_inputs leaves no gradient behind, and names are the original's.
     assert all(p.grad is None for p in fast.parameters())
     assert list(fast.state_dict()) == list(model.state_dict())
     if optimize_layout.has_channels_last_hooks(fast):  # NCHW measured slower: then the same layout
         optimize_layout._install(model)
+    # In float64 the two train alike to rounding. (In float32 both are far from float64 after a
+    # step on this small input, whose BatchNorms see a few values per channel: the losses agree,
+    # the parameters only within that spread, opforge's sums as close to float64 as ATen's.)
+    fast64, model64 = copy.deepcopy(fast).double(), copy.deepcopy(model).double()
     for _ in range(2):
-        assert torch.equal(step(fast, x), step(model, x))
-    for (k, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), k
+        torch.testing.assert_close(step(fast, x), step(model, x))
+        torch.testing.assert_close(step(fast64, x.double()), step(model64, x.double()), rtol=1e-10, atol=1e-10)
+    for (k, a), b in zip(fast64.state_dict().items(), model64.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_why_not_own_engine_names_the_reason():

@@ -13,7 +13,9 @@ trace):
   ``opforge.nn.ConvBatchNorm2d`` (one op call, one autograd node); with
   ``example_inputs`` only where the op's own CUDA batch norm engine takes
   the conv's output (channels_last), since elsewhere it runs the modules'
-  own ATen kernels.
+  own ATen kernels. There the conv alone may become opforge's layer (no
+  activation fused), the BatchNorm and activation staying modules, where
+  that times faster forward and backward on the layer's input.
 - a conv opforge supports, with the activation after it (ReLU, ReLU6,
   Hardswish, SiLU; any other is left as it is): a 3x3 conv (dense or
   depthwise, stride 1 or 2, padding 0 or 1, dilation 1, zero padding) as one
@@ -229,13 +231,11 @@ def _train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tens
             conv_out = conv(x)
         where = why_not_own_engine(conv_out, bn)
         if where:
-            return LayerReport(
-                chain.conv,
-                pattern,
-                "left",
-                f"{why}; opforge.conv2d_batch_norm would run ATen's kernels here ({where}), as the modules do, "
-                "and its one call is no faster than their three",
+            why += (
+                f"; opforge.conv2d_batch_norm would run ATen's kernels here ({where}), as the modules do, "
+                "and its one call is no faster than their three"
             )
+            return _train_conv_alone(model, chain, conv, act, pattern, x, why)
         how = "opforge's batch norm engine on this channels_last conv output"
     act_name = _FUSABLE_ACTIVATIONS.get(type(act))
     batch_norm = BatchNormInConv.of(bn)
@@ -250,6 +250,22 @@ def _train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tens
         action,
         f"{why}; opforge.conv2d_batch_norm: one call and one autograd node ({how})",
     )
+
+
+def _train_conv_alone(model, chain: Chain, conv, act, pattern: str, x: torch.Tensor, why: str) -> LayerReport:
+    """A training chain the batch norm op would not speed up: its conv alone as opforge's layer,
+    the BatchNorm and activation kept as modules, where that times faster (forward + backward) on
+    ``x``. Nothing is folded, so training numerics are the conv's own within its rounding."""
+    own = ConvCandidate.of(conv, None)
+    if own is None:
+        return LayerReport(chain.conv, pattern, "left", f"{why}; opforge has no kernel for this conv")
+    win, times, _ = faster_with_opforge(own, None, x)
+    if not win:
+        return LayerReport(chain.conv, pattern, "left", f"{why}; the conv alone as {own.label}: {times}")
+    _set(model, chain.conv, own.module())
+    kept = "BatchNorm2d" + (f" and {type(act).__name__}" if act is not None else "")
+    action = f"{own.label} ({kept} kept)"
+    return LayerReport(chain.conv, pattern, action, f"{why}; the conv alone: {times}")
 
 
 def _layer_inputs(model: torch.nn.Module, names: list[str], example_inputs: tuple) -> dict[str, tuple]:
