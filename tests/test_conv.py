@@ -100,11 +100,40 @@ def test_depthwise_multiplier3_channel_tail(stride, padding, dtype, channels_las
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_dense_larger(dtype, channels_last, device):
+@pytest.mark.parametrize("weight_channels_last", [False, True])
+def test_dense_larger(dtype, channels_last, weight_channels_last, device):
+    """Above oneDNN's size on the CPU; a channels_last weight (as a channels_last model has) is
+    handed to oneDNN as it is, not copied to a plain one."""
     x = rand((2, 32, 14, 15), dtype, device)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
-    check(x, rand((24, 32, 3, 3), dtype, device), rand((24,), dtype, device), 1, 1, 1, True)
+    w = rand((24, 32, 3, 3), dtype, device)
+    if weight_channels_last:
+        w = w.to(memory_format=torch.channels_last)
+    check(x, w, rand((24,), dtype, device), 1, 1, 1, True)
+    check(x, w, None, 2, 1, 1, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_dense_channels_last_weight_backward(dtype, channels_last, device):
+    x = rand((2, 32, 14, 15), dtype, device)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w = rand((24, 32, 3, 3), dtype, device).to(memory_format=torch.channels_last)
+    b = rand((24,), dtype, device)
+    x1, w1, b1 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    out = opforge.conv2d_3x3(x1, w1, b1, 1, 1, 1, "relu")
+    g = rand(out.shape, dtype, device)
+    with poisoned(device):
+        out.backward(g)
+    x2, w2, b2 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    F.relu(F.conv2d(x2, w2, b2, 1, 1)).backward(g.double() * (out.detach() > 0).double())
+    atol, rtol = TOLERANCES[dtype]
+    terms = out.shape[0] * out.shape[2] * out.shape[3]
+    torch.testing.assert_close(x1.grad.double(), x2.grad, atol=atol * math.sqrt(9 * 24), rtol=rtol)
+    for ours, theirs in ((w1.grad, w2.grad), (b1.grad, b2.grad)):
+        torch.testing.assert_close(ours.double(), theirs, atol=reduction_atol(dtype, terms), rtol=rtol)
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 40, 40, 3), (1, 16, 41, 37, 2), (3, 2, 5, 200, 5), (1, 1, 3, 3, 1)])

@@ -382,12 +382,13 @@ def test_timed_training_chains_where_the_op_runs_aten(name):
     assert list(fast.state_dict()) == list(model.state_dict())
     if optimize_layout.has_channels_last_hooks(fast):  # NCHW measured slower: then the same layout
         optimize_layout._install(model)
-    # In float64 the two train alike to rounding. (In float32 both are far from float64 after a
-    # step on this small input, whose BatchNorms see a few values per channel: the losses agree,
-    # the parameters only within that spread, opforge's sums as close to float64 as ATen's.)
+    # opforge's convs sum in their own order. In float64 the two train alike to rounding. In
+    # float32 the first step's loss agrees; after one SGD step on this small input, whose
+    # BatchNorms see a few values per channel, both float32 runs are some 1e-5 from float64 and
+    # from each other (which layers are replaced is a timing), so only float64 is compared there.
     fast64, model64 = copy.deepcopy(fast).double(), copy.deepcopy(model).double()
+    torch.testing.assert_close(step(fast, x), step(model, x))
     for _ in range(2):
-        torch.testing.assert_close(step(fast, x), step(model, x))
         torch.testing.assert_close(step(fast64, x.double()), step(model64, x.double()), rtol=1e-10, atol=1e-10)
     for (k, a), b in zip(fast64.state_dict().items(), model64.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")

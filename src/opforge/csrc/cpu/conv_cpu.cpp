@@ -9,9 +9,10 @@
 // An unbatched (C, H, W) x runs as a batch of one.
 //
 // Backward: depthwise with multiplier 1, direct loops that apply the ReLU
-// mask (result > 0) as they read grad_out: grad x is the depthwise forward loop run on it with the kernel
-// flipped (stride 1) or cpu/conv_dw_dgrad_kernels.h (stride 2), the weight /
-// bias sums cpu/conv_dw_grad_kernels.h. Dense at stride 1 in NCHW below
+// mask (result > 0) as they read grad_out: grad x is the depthwise forward
+// loop run on it with the kernel flipped (stride 1) or
+// cpu/conv_dw_dgrad_kernels.h (stride 2), the weight / bias sums
+// cpu/conv_dw_grad_kernels.h. Dense at stride 1 in NCHW below
 // oneDNN's size: GEMMs on the padded image's columns (cpu/conv_dense_cpu.cpp).
 // Otherwise conv.cpp's backward_via_aten: the ReLU mask, then ATen's
 // convolution_backward for grad x / weight / bias (oneDNN on the CPU).
@@ -107,7 +108,9 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
   opforge::Activation act{};
   const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, act);
   const Geometry g = opforge::conv::geometry(s);
-  return opforge::conv::unbatch(forward(opforge::conv::forward_operands(x, w, bias, s.unbatched), g, act), s.unbatched);
+  // A dense layer's channels_last weight goes to oneDNN as it is (dense_forward_cpu).
+  const auto o = opforge::conv::forward_operands(x, w, bias, s.unbatched, !g.depthwise);
+  return opforge::conv::unbatch(forward(o, g, act), s.unbatched);
 }
 
 // Depthwise, multiplier 1 (see direct_depthwise_backward): grad x is, for stride
