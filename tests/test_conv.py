@@ -404,11 +404,17 @@ def test_depthwise_backward_stride1(dtype, padding, relu, channels_last, c, devi
     assert x1.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
+STRIDE2_SHAPES = [(3, 12, 37, 70), (2, 6, 8, 7), (1, 5, 3, 3), (2, 3, 4, 33), (1, 20, 9, 6)]
+# Planes of one or two rows or columns, which only padding 1 allows.
+STRIDE2_TINY = [(1, 17, 1, 2), (1, 17, 2, 1), (2, 17, 2, 2), (1, 17, 1, 1)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("padding", [0, 1])
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("shape", [(3, 12, 37, 70), (2, 6, 8, 7), (1, 5, 3, 3), (2, 3, 4, 33), (1, 20, 9, 6)])
+@pytest.mark.parametrize(
+    "shape,padding", [(s, p) for s in STRIDE2_SHAPES for p in (0, 1)] + [(s, 1) for s in STRIDE2_TINY]
+)
 def test_depthwise_backward_stride2_cpu(dtype, padding, relu, channels_last, shape):
     """The CPU's direct stride-2 depthwise backward (NCHW: grad x from even
     and odd columns, weight sums on rows split the same way; NHWC: grad x

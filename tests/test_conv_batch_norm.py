@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from reference import poisoned, randomize_batchnorm
+from training_models import step, train_model
 
 import opforge
 from opforge import optimize_layout
@@ -308,26 +309,6 @@ def test_bad_arguments_name_them():
 
 
 # ------------------------------------------------------------------ optimize in training mode
-
-
-def train_model(name, device="cpu"):
-    torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(num_classes=10)
-    with torch.no_grad():
-        randomize_batchnorm(model)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model.to(device).train()
-
-
-def step(model, x):
-    """One SGD step; returns the loss."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss = model(x).square().mean()
-    loss.backward()
-    opt.step()
-    return loss.detach()
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_large", "resnet18"])

@@ -66,7 +66,7 @@ import torch
 
 from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 from .ops.conv_batch_norm import why_not_own_engine
-from .optimize_blocks import restore_unchanged_blocks, rewrite_blocks
+from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
 from .optimize_layout import choose_channels_last, reconsider_channels_last
@@ -259,6 +259,8 @@ def _train_conv_alone(model, chain: Chain, conv, act, pattern: str, x: torch.Ten
     own = ConvCandidate.of(conv, None)
     if own is None:
         return LayerReport(chain.conv, pattern, "left", f"{why}; opforge has no kernel for this conv")
+    if has_hooks(conv):
+        return LayerReport(chain.conv, pattern, "left", f"{why}; the conv has hooks, which a new module would drop")
     win, times, _ = faster_with_opforge(own, None, x)
     if not win:
         return LayerReport(chain.conv, pattern, "left", f"{why}; the conv alone as {own.label}: {times}")

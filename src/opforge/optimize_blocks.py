@@ -102,7 +102,7 @@ def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
     that code reads anything a trace would fix (``fixed_by_trace``): a training model is switched
     to eval for validation, and stochastic depth draws its random numbers on each call."""
     inlined = [m for m in block.modules() if not Tracer().is_leaf_module(m, "")]
-    if any(_has_hooks(m) for m in inlined):
+    if any(has_hooks(m) for m in inlined):
         return None
     if block.training and not all(fixed_by_trace(type(m).forward) for m in inlined):
         return None
@@ -112,7 +112,7 @@ def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
         return None
 
 
-def _has_hooks(m: torch.nn.Module) -> bool:
+def has_hooks(m: torch.nn.Module) -> bool:
     hooks = (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
     return any(len(h) for h in hooks)
 

@@ -73,9 +73,17 @@ class ConvCandidate:
         return f"opforge {self.op}"
 
     def module(self) -> torch.nn.Module:
-        """opforge's layer, with the conv's parameters (same values, dtype, device and memory format)."""
-        layer = Conv2d1x1 if self.op == "conv2d_1x1" else Conv2d3x3
-        return layer.from_conv(self.conv, activation=self.activation)
+        """opforge's layer, with the conv's parameters (same values, dtype, device and memory format).
+
+        In training mode the layer holds the conv's own Parameter objects, not copies: an
+        optimizer built on the model before ``optimize(..., inplace=True)`` keeps stepping them,
+        and parameters tied to other modules stay tied."""
+        layer = (Conv2d1x1 if self.op == "conv2d_1x1" else Conv2d3x3).from_conv(self.conv, activation=self.activation)
+        if self.conv.training:
+            layer.weight = self.conv.weight
+            if self.conv.bias is not None:
+                layer.bias = self.conv.bias
+        return layer
 
 
 @dataclasses.dataclass
@@ -129,6 +137,8 @@ def _key(candidate: ConvCandidate | PrepackedCandidate, act: torch.nn.Module | N
         tuple(c.dilation),
         type(act).__name__ if act is not None else None,
         c.training,
+        c.weight.requires_grad,  # in training, whether the backward computes the weight's gradient
+        c.weight.is_contiguous(memory_format=torch.channels_last) and not c.weight.is_contiguous(),
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .nn_squeeze_excitation import SqueezeExcitation, why_not_fusable
-from .optimize_blocks import _has_hooks
+from .optimize_blocks import has_hooks
 from .optimize_choice import _MARGIN, _cache, _layout, _median_us, _run
 from .optimize_report import LayerReport
 
@@ -58,7 +58,7 @@ def apply_squeeze_blocks(
     for name in find_squeeze_blocks(model):
         block = model.get_submodule(name)
         why = why_not_fusable(block)
-        if not why and any(_has_hooks(m) for m in block.modules()):
+        if not why and any(has_hooks(m) for m in block.modules()):
             why = "the block or one of its parts has hooks, which one op call would not run"
         if why:
             rows.append(LayerReport(name, PATTERN, "left", why))

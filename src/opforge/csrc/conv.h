@@ -211,9 +211,11 @@ inline at::Tensor unbatch(const at::Tensor& t, bool unbatched) { return unbatche
 // The forward's operands as every backend's kernels read them: x (4-d) in
 // the output's memory format, weight contiguous, bias contiguous (undefined
 // when absent). With keep_channels_last_weight a channels_last weight stays
-// so, for an engine that takes either format (oneDNN: a plain copy of it
-// per call, then its own reorder, cost more than the convolution on large
-// layers); such a caller makes it contiguous itself where it needs to.
+// so when x is channels_last too, for an engine that takes either format
+// (oneDNN: a plain copy of it per call, then its own reorder, cost more than
+// the convolution on large layers); such a caller makes it contiguous itself
+// where it needs to. With an NCHW x the weight is made contiguous as before:
+// oneDNN would otherwise run channels_last and copy x and the output.
 struct ForwardOperands {
   at::MemoryFormat fmt;
   bool nhwc;
@@ -223,7 +225,8 @@ struct ForwardOperands {
 inline ForwardOperands forward_operands(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
                                         bool unbatched, bool keep_channels_last_weight = false) {
   const auto fmt = out_format(x);
-  const bool keep = keep_channels_last_weight && w.is_contiguous(at::MemoryFormat::ChannelsLast);
+  const bool keep = keep_channels_last_weight && fmt == at::MemoryFormat::ChannelsLast &&
+                    w.is_contiguous(at::MemoryFormat::ChannelsLast);
   return {fmt, fmt == at::MemoryFormat::ChannelsLast, batched(x, unbatched).contiguous(fmt), keep ? w : w.contiguous(),
           (bias.has_value() && bias->defined()) ? bias->contiguous() : at::Tensor()};
 }

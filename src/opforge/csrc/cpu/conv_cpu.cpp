@@ -108,7 +108,7 @@ at::Tensor conv2d_3x3_cpu(const at::Tensor& x, const at::Tensor& w, const std::o
   opforge::Activation act{};
   const auto s = opforge::conv::check_forward_args(kOp, x, w, bias, stride, padding, groups, activation, act);
   const Geometry g = opforge::conv::geometry(s);
-  // A dense layer's channels_last weight goes to oneDNN as it is (dense_forward_cpu).
+  // A dense layer's channels_last weight goes to oneDNN as it is with a channels_last x (dense_forward_cpu).
   const auto o = opforge::conv::forward_operands(x, w, bias, s.unbatched, !g.depthwise);
   return opforge::conv::unbatch(forward(o, g, act), s.unbatched);
 }

@@ -397,7 +397,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> small_backward(const at::Tensor& 
 }  // namespace
 
 at::Tensor dense_forward_cpu(const ForwardOperands& o, const Geometry& g, Activation act) {
-  // o.w may be channels_last (forward_operands): oneDNN takes it so, without a plain copy.
+  // o.w may be channels_last, as x is (forward_operands): oneDNN takes it so, without a plain copy.
   if (use_onednn(g)) {
     const at::Tensor fused = dense_forward_onednn(o.x, o.w, o.bias, act, g);
     if (fused.defined()) return fused.contiguous(o.fmt);
