@@ -18,7 +18,10 @@ def test_cpu_cells_skip_what_does_not_apply():
 
 @pytest.mark.parametrize("mode", ["inference", "train"])
 def test_run_cell_checks_outputs_and_reports(mode, tmp_path):
-    cell = models.Cell("mobilenet_v2", "cpu", "float32", 2, "channels_last", mode, image=32)
+    # 64x64: at 32x32 the last training BatchNorms normalize two values per channel (batch 2,
+    # 1x1), where the eager float32 output is itself 67% off float64's, so any other rounding
+    # (opforge's convs, taken in training where they time faster) moves it as far.
+    cell = models.Cell("mobilenet_v2", "cpu", "float32", 2, "channels_last", mode, image=64)
     result = models.run_cell(cell, calls=1, repeats=1, only=("eager", "optimize"))
     for name in ("eager", "optimize"):
         t = result.providers[name]
