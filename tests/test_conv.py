@@ -127,13 +127,13 @@ def test_dense_channels_last_weight_backward(dtype, channels_last, device):
     g = rand(out.shape, dtype, device)
     with poisoned(device):
         out.backward(g)
-    x2, w2, b2 = (t.detach().double().requires_grad_() for t in (x, w, b))
-    F.relu(F.conv2d(x2, w2, b2, 1, 1)).backward(g.double() * (out.detach() > 0).double())
-    atol, rtol = TOLERANCES[dtype]
-    terms = out.shape[0] * out.shape[2] * out.shape[3]
-    torch.testing.assert_close(x1.grad.double(), x2.grad, atol=atol * math.sqrt(9 * 24), rtol=rtol)
-    for ours, theirs in ((w1.grad, w2.grad), (b1.grad, b2.grad)):
-        torch.testing.assert_close(ours.double(), theirs, atol=reduction_atol(dtype, terms), rtol=rtol)
+    passed = g.double().cpu() * (out.detach().cpu() > 0).double()
+    plane = out.shape[0] * out.shape[2] * out.shape[3]
+    rtol = TOLERANCES[dtype][1]
+    torch.testing.assert_close(
+        b1.grad.double().cpu(), passed.sum((0, 2, 3)), atol=reduction_atol(dtype, plane), rtol=rtol
+    )
+    assert_dense_grads_close(x1.grad, w1.grad, x, w, passed)
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 40, 40, 3), (1, 16, 41, 37, 2), (3, 2, 5, 200, 5), (1, 1, 3, 3, 1)])
@@ -540,14 +540,21 @@ def test_dense_backward_bias_and_mask(dtype, relu, channels_last, shape, device)
         )[2]
     assert torch.equal(gb, gb_again)
     passed = g.double().cpu() * ((out.cpu() > 0).double() if relu else 1.0)
-    x2, w2 = (t.detach().double().cpu().requires_grad_() for t in (x, w))
-    F.conv2d(x2, w2, None, 1, 1).backward(passed)
-    atol, rtol = TOLERANCES[dtype]
+    _, rtol = TOLERANCES[dtype]
     plane = n * h * wd
     torch.testing.assert_close(gb.cpu().double(), passed.sum((0, 2, 3)), atol=reduction_atol(dtype, plane), rtol=rtol)
-    # grad x and grad weight come from cuDNN (or ATen) given our masked
-    # gradient: sums of 9 * K and N * H * W terms
-    if dtype == torch.float32 and device == "cuda" and torch.backends.cudnn.allow_tf32:
+    assert_dense_grads_close(gx, gw, x, w, passed)
+    assert gx.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def assert_dense_grads_close(gx, gw, x, w, passed):
+    """A dense stride-1 padding-1 conv's grad x and grad weight (cuDNN's or ATen's, given the
+    masked gradient ``passed``, float64 on the CPU) against float64: sums of 9 * K and
+    N * H * W terms."""
+    x2, w2 = (t.detach().double().cpu().requires_grad_() for t in (x, w))
+    F.conv2d(x2, w2, None, 1, 1).backward(passed)
+    k, plane = w.shape[0], passed.shape[0] * passed.shape[2] * passed.shape[3]
+    if x.dtype == torch.float32 and x.device.type == "cuda" and torch.backends.cudnn.allow_tf32:
         # TF32: the worst-case bound over |terms| (a sqrt(terms)-scaled
         # tolerance is only a few standard deviations of TF32's rounding
         # on thousands of terms, and a correct result would fail it)
@@ -558,9 +565,9 @@ def test_dense_backward_bias_and_mask(dtype, relu, channels_last, shape, device)
             err = (ours.cpu().double() - ref).abs()
             assert (err <= bound).all(), f"max err/bound {(err / bound).max().item():.3f}"
     else:
-        torch.testing.assert_close(gx.cpu().double(), x2.grad, atol=reduction_atol(dtype, 9 * k), rtol=rtol)
-        torch.testing.assert_close(gw.cpu().double(), w2.grad, atol=reduction_atol(dtype, plane), rtol=rtol)
-    assert gx.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        rtol = TOLERANCES[x.dtype][1]
+        torch.testing.assert_close(gx.cpu().double(), x2.grad, atol=reduction_atol(x.dtype, 9 * k), rtol=rtol)
+        torch.testing.assert_close(gw.cpu().double(), w2.grad, atol=reduction_atol(x.dtype, plane), rtol=rtol)
 
 
 @pytest.mark.parametrize("grads", [(True, False, True), (False, True, True), (False, False, True), (True, True, False)])

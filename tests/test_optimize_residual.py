@@ -54,7 +54,10 @@ def check_engine(engine, dtype, channels_last, device, activation="relu", stride
         out = layer(x, r)
         torch_out = conv(x)
     if nchw_weight:  # the weight's channels_last copy is made once, the parameter keeps its format
-        assert layer.weight.is_contiguous() and nn_prepacked_ops.cached_channels_last(layer.weight) is not None
+        # A depthwise weight (C, 1, 3, 3) is already both formats: no copy is needed.
+        needs_copy = not layer.weight.is_contiguous(memory_format=torch.channels_last)
+        assert layer.weight.is_contiguous()
+        assert (nn_prepacked_ops.cached_channels_last(layer.weight) is not None) == needs_copy
     ref = reference(conv, x, r, activation)
     assert out.dtype == dtype and out.shape == ref.shape
     assert out.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
