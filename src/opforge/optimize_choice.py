@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .nn import Conv2d1x1, Conv2d3x3
 from .nn_prepacked import CUDNN_FUSED_DTYPES, PrepackedConv2d, explicit_padding, onednn_runs
+from .nn_prepacked_ops import is_channels_last
 
 _cache: dict[tuple, tuple[bool, str]] = {}
 # opforge's kernel must be this much faster (3%) to replace torch's layers.
@@ -138,7 +139,7 @@ def _key(candidate: ConvCandidate | PrepackedCandidate, act: torch.nn.Module | N
         type(act).__name__ if act is not None else None,
         c.training,
         c.weight.requires_grad,  # in training, whether the backward computes the weight's gradient
-        c.weight.is_contiguous(memory_format=torch.channels_last) and not c.weight.is_contiguous(),
+        is_channels_last(c.weight),
     )
 
 
