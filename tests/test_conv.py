@@ -134,6 +134,8 @@ def test_dense_channels_last_weight_backward(dtype, channels_last, device):
         b1.grad.double().cpu(), passed.sum((0, 2, 3)), atol=reduction_atol(dtype, plane), rtol=rtol
     )
     assert_dense_grads_close(x1.grad, w1.grad, x, w, passed)
+    # Grad weight in the weight's format, as F.conv2d's: accumulated without a copy.
+    assert w1.grad.stride() == w1.stride()
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 40, 40, 3), (1, 16, 41, 37, 2), (3, 2, 5, 200, 5), (1, 1, 3, 3, 1)])

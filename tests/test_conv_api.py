@@ -12,14 +12,19 @@ import opforge
 @pytest.mark.parametrize("kind", ["dense", "depthwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_opcheck(kind, dtype, channels_last, device):
+@pytest.mark.parametrize("weight_channels_last", [False, True])
+def test_opcheck(kind, dtype, channels_last, weight_channels_last, device):
+    """weight_channels_last: a channels_last model's weight (grad weight then comes in its format)."""
     c = 4
     groups = 1 if kind == "dense" else c
     x = rand((2, c, 7, 6), dtype, device)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
     x.requires_grad_()
-    w = rand((c, c // groups, 3, 3), dtype, device).requires_grad_()
+    w = rand((c, c // groups, 3, 3), dtype, device)
+    if weight_channels_last:
+        w = w.to(memory_format=torch.channels_last)
+    w.requires_grad_()
     b = rand((c,), dtype, device).requires_grad_()
     torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, b, 2, 1, groups, "relu"))
     torch.library.opcheck(torch.ops.opforge.conv2d_3x3.default, (x, w, None, (1, 1), [0, 0], groups, None))

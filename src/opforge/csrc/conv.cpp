@@ -100,8 +100,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_via_aten(const at::Tenso
     std::tie(gx, gw, gb) = at::convolution_backward_symint(g_m, x, w, at::OptionalSymIntArrayRef(bias_sizes), strides,
                                                            pads, ones, false, zeros, groups, mask);
   }
-  // Layouts as the shape function states: grad x in x's format, grad weight contiguous.
-  return {mask[0] ? gx.contiguous(out_format(x)) : empty(), mask[1] ? gw.contiguous() : empty(),
+  // Layouts as the shape function states: grad x in x's format, grad weight in weight_grad_format.
+  return {mask[0] ? gx.contiguous(out_format(x)) : empty(), mask[1] ? gw.contiguous(weight_grad_format(w)) : empty(),
           mask[2] ? gb.contiguous() : empty()};
 }
 
@@ -124,7 +124,7 @@ at::Tensor conv2d_3x3_meta(const at::Tensor& x, const at::Tensor& w, const std::
   return at::empty_symint(opforge::conv::out_sizes(s), x.options().memory_format(opforge::conv::out_format(x)));
 }
 
-// grad x in x's format, grad weight contiguous, grad bias (K,); entries
+// grad x in x's format, grad weight in weight_grad_format, grad bias (K,); entries
 // masked out are (0,) tensors.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_meta(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& result, const at::Tensor& x, const at::Tensor& w,
@@ -134,7 +134,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_meta(
   opforge::conv::check_backward_args(kBwdOp, grad_out, result, x, s);
   auto empty = [&] { return at::empty({0}, x.options()); };
   return {mask[0] ? at::empty_symint(x.sym_sizes(), x.options().memory_format(opforge::conv::out_format(x))) : empty(),
-          mask[1] ? at::empty_symint(w.sym_sizes(), w.options()) : empty(),
+          mask[1] ? at::empty_symint(w.sym_sizes(), w.options().memory_format(opforge::conv::weight_grad_format(w)))
+                  : empty(),
           mask[2] ? at::empty_symint({s.K}, x.options()) : empty()};
 }
 

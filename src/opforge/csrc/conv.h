@@ -200,6 +200,16 @@ inline at::MemoryFormat out_format(const at::Tensor& x) {
                                                                      : at::MemoryFormat::Contiguous;
 }
 
+// A weight gradient's format: channels_last where the weight is channels_last and
+// not contiguous too (a depthwise (C, 1, 3, 3) weight is both, and stays contiguous),
+// as F.conv2d's is, so that autograd accumulates it without a copy into the
+// parameter's strides.
+inline at::MemoryFormat weight_grad_format(const at::Tensor& w) {
+  return w.dim() == 4 && !w.is_contiguous() && w.is_contiguous(at::MemoryFormat::ChannelsLast)
+             ? at::MemoryFormat::ChannelsLast
+             : at::MemoryFormat::Contiguous;
+}
+
 // An unbatched tensor as a batch of one (a view), so the kernels see 4-d.
 inline at::Tensor batched(const at::Tensor& t, bool unbatched) { return unbatched && t.defined() ? t.unsqueeze(0) : t; }
 inline std::optional<at::Tensor> batched(const std::optional<at::Tensor>& t, bool unbatched) {

@@ -225,6 +225,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cpu(
     std::tie(gx, gw, gb) =
         small.has_value() ? *small : opforge::conv::backward_via_aten(g4, r4, x4, w, g.stride, g.pad, g.groups, mask);
   }
+  if (mask[1] && gw.dim() == 4) gw = gw.contiguous(opforge::conv::weight_grad_format(w));
   return {opforge::conv::unbatch(gx, s.unbatched), gw, gb};
 }
 

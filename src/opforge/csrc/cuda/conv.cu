@@ -234,8 +234,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward(const at::Tensor& 
   std::tie(gx, gw, std::ignore) =
       at::convolution_backward(o.result.defined() ? masked : o.grad_out, o.x, o.w, std::nullopt, {g.stride, g.stride},
                                {g.pad, g.pad}, {1, 1}, false, {0, 0}, g.groups, {mask[0], mask[1], false});
-  // Layouts as the shape function states: grad x in x's format, grad weight contiguous.
-  return {mask[0] ? gx.contiguous(o.fmt) : empty(), mask[1] ? gw.contiguous() : empty(), gb};
+  // Layouts as the shape function states: grad x in x's format, grad weight in weight_grad_format.
+  return {mask[0] ? gx.contiguous(o.fmt) : empty(),
+          mask[1] ? gw.contiguous(opforge::conv::weight_grad_format(w_in)) : empty(), gb};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> depthwise_backward(const at::Tensor& grad_out,
@@ -275,6 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_3x3_backward_cuda(
                                       g, opforge::conv::out_format(x) == at::MemoryFormat::ChannelsLast);
   std::tie(gx, gw, gb) = own ? depthwise_backward(grad_out, result, x, w, g, s.unbatched, mask)
                              : cudnn_backward(grad_out, result, x, w, g, s.unbatched, mask);
+  if (mask[1] && gw.dim() == 4) gw = gw.contiguous(opforge::conv::weight_grad_format(w));
   return {opforge::conv::unbatch(gx, s.unbatched), gw, gb};
 }
 
