@@ -189,6 +189,13 @@ def test_resnet_blocks_are_rewritten_and_keep_outputs(name):
     kept = [r for r in report.layers if "BatchNorm2d" in r.pattern and "BatchNorm folded" not in r.action]
     assert all("BatchNorm not folded" in r.reason for r in kept), str(report)
     assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in fast.modules()) == len(kept), str(report)
+    # The folded BatchNorms and fused ReLUs stay as attributes but the blocks no longer call them.
+    blocks = [m for m in fast.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(blocks) == len(tails)
+    for block in blocks:
+        called = [block.get_submodule(n.target) for n in block.graph.nodes if n.op == "call_module"]
+        assert not any(isinstance(m, torch.nn.Identity) for m in called), block.code
+        assert any(isinstance(m, torch.nn.Identity) for m in block.modules())
     with torch.no_grad():
         ref = model(x)
         torch.testing.assert_close(fast(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
@@ -261,6 +268,16 @@ def test_training_mode_blocks_unshare_activations_and_keep_their_tails():
         assert actions[f"{block}.conv2"] == "conv + BatchNorm as one op"
     assert fast.training and fast.layer1[0].training
     assert list(fast.state_dict()) == list(model.state_dict())
+    # The blocks call neither the BatchNorms' state holders nor the fused ReLUs' identities, and
+    # the BatchNorm statistics still update as the original's do.
+    identities = (torch.nn.Identity, opforge.nn_conv_batch_norm.BatchNormInConv)
+    for block in (m for m in fast.modules() if isinstance(m, torch.fx.GraphModule)):
+        called = [block.get_submodule(n.target) for n in block.graph.nodes if n.op == "call_module"]
+        assert not any(isinstance(m, identities) for m in called), block.code
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(fast(x), model(x), atol=1e-4, rtol=1e-4)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(fast.state_dict()[key], value, atol=1e-5, rtol=1e-5, msg=key)
 
 
 class ModeReadingBlock(torch.nn.Module):

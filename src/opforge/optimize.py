@@ -66,7 +66,7 @@ import torch
 
 from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 from .ops.conv_batch_norm import why_not_own_engine
-from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks
+from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks, skip_identity_calls
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
 from .optimize_layout import choose_channels_last, reconsider_channels_last
@@ -122,6 +122,7 @@ def optimize(
     layers.update({row.conv: row for row in squeezes})
     layers.update({t.name: apply_tail(out, t, inputs.get(t.name), measured, force) for t in tails})
     restore_unchanged_blocks(out, rewritten, [name for name, layer in layers.items() if layer.action != "left"])
+    skip_identity_calls(out, rewritten)
     if example_inputs is not None and not force:
         why = reconsider_channels_last(out, example_inputs)
         notes += [why] if why else []

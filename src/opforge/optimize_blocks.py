@@ -13,6 +13,10 @@ traces, has no hooks and (in training mode) whose code a trace cannot fix
   is one :class:`opforge.nn.ConvResidual` call, the BatchNorm folded, that
   takes the conv's input and the shortcut.
 
+Once the layers are replaced, ``skip_identity_calls`` drops the graph's calls
+of what folding and fusing left as identities (host time per call, nothing
+else).
+
 The parameters keep their names (``conv2.weight``); a folded BatchNorm's
 entries leave the state dict, as with every folded BatchNorm. The model
 itself (the root) keeps its type and code: only its submodules are rewritten.
@@ -30,6 +34,7 @@ import types
 
 import torch
 
+from .nn_conv_batch_norm import BatchNormInConv
 from .nn_prepacked import explicit_padding
 from .nn_residual import ConvResidual
 from .optimize_fold import folded_conv
@@ -94,6 +99,33 @@ def restore_unchanged_blocks(model: torch.nn.Module, originals: dict[str, torch.
     for name, block in originals.items():
         if not any(c.startswith(name + ".") for c in changed):
             _set(model, name, block)
+
+
+def skip_identity_calls(model: torch.nn.Module, originals: dict[str, torch.nn.Module]) -> int:
+    """In each rewritten block still in place, drop the calls of the modules that folding and fusing
+    left as identities (a folded BatchNorm, a fused activation: ``nn.Identity``, and the
+    ``BatchNormInConv`` that holds a training BatchNorm's state): each cost a module call of host
+    time on every forward for nothing. The modules stay attributes of the block, so names and state
+    are unchanged; a hook put on one of them after ``optimize`` is not called. The number dropped."""
+    dropped = 0
+    for name, original in originals.items():
+        block = model.get_submodule(name)
+        if block is original or not isinstance(block, torch.fx.GraphModule):
+            continue  # put back as it was: its own code
+        graph = block.graph
+        for node in list(graph.nodes):
+            if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
+                continue
+            module = block.get_submodule(node.target)
+            if type(module) not in (torch.nn.Identity, BatchNormInConv) or has_hooks(module):
+                continue
+            if not isinstance(node.args[0], torch.fx.Node):
+                continue
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            dropped += 1
+        block.recompile()
+    return dropped
 
 
 def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
