@@ -192,6 +192,8 @@ def test_resnet_blocks_are_rewritten_and_keep_outputs(name):
     # The folded BatchNorms and fused ReLUs stay as attributes but the blocks no longer call them.
     blocks = [m for m in fast.modules() if isinstance(m, torch.fx.GraphModule)]
     assert len(blocks) == len(tails)
+    # Plain attributes of the block and of its class stay readable.
+    assert fast.layer1[0].stride == 1 and fast.layer1[0].expansion == type(model.layer1[0]).expansion
     for block in blocks:
         called = [block.get_submodule(n.target) for n in block.graph.nodes if n.op == "call_module"]
         assert not any(isinstance(m, torch.nn.Identity) for m in called), block.code
@@ -374,8 +376,14 @@ def test_functional_blocks_and_other_activations(act):
     x = torch.randn(2, 4, 12, 12)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
     tails = [m for m in fast.modules() if isinstance(m, opforge.nn.ConvResidual)]
-    if isinstance(act, torch.nn.GELU):  # not an activation opforge fuses: the block is left
-        assert not tails and type(fast.block) is FunctionalBlock, str(report)
+    if isinstance(act, torch.nn.GELU):  # not an activation opforge fuses: no tail, the GELU is called
+        assert not tails, str(report)
+        block = fast.block
+        if isinstance(block, torch.fx.GraphModule):  # rewritten where a layer in it was replaced
+            called = [block.get_submodule(n.target) for n in block.graph.nodes if n.op == "call_module"]
+            assert any(isinstance(m, torch.nn.GELU) for m in called), block.code
+        else:
+            assert type(block) is FunctionalBlock
     else:
         assert len(tails) == 1, str(report)
         expected = {type(None): "relu", torch.nn.SiLU: "silu", torch.nn.Hardswish: "hardswish"}[type(act)]
@@ -434,3 +442,68 @@ def test_block_reading_its_own_tensors_keeps_them():
     assert {"0.gain", "0.offset"} <= set(fast.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_small"])
+def test_eval_blocks_call_their_layers_without_containers_or_identities(name):
+    """A block with no residual tail is still rewritten in eval mode: its graph calls the layers
+    directly, not the Sequentials around them nor the identities folding and fusing left."""
+    model = randomize_batchnorm(getattr(torchvision.models, name)(num_classes=10)).eval()
+    x = torch.randn(2, 3, 64, 64)
+    fast = opforge.optimize(model, force=True)
+    blocks = [m for m in fast.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(blocks) == sum(type(m).__name__ == "InvertedResidual" for m in model.modules())
+    for block in blocks:
+        called = [block.get_submodule(n.target) for n in block.graph.nodes if n.op == "call_module"]
+        assert not any(isinstance(m, (torch.nn.Identity, torch.nn.Sequential)) for m in called), block.code
+    # Every module call costs host time: count them per forward.
+    count = [0]
+
+    def counter(module, args):
+        count[0] += 1
+
+    calls = []
+    for m in (model, fast):
+        count[0] = 0
+        with torch.nn.modules.module.register_module_forward_pre_hook(counter), torch.no_grad():
+            m(x)
+        calls.append(count[0])
+    assert calls[1] < calls[0] / 2, calls
+    # Names and state are the original's, less the folded BatchNorms, plus their convs' new biases.
+    batch_norms = [n for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    dropped = set(model.state_dict()) - set(fast.state_dict())
+    added = set(fast.state_dict()) - set(model.state_dict())
+    assert dropped and all(any(k.startswith(bn + ".") for bn in batch_norms) for k in dropped)
+    assert all(k.endswith(".bias") and k[: -len("bias")] + "weight" in model.state_dict() for k in added)
+    buffer = io.BytesIO()
+    torch.save(fast, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        ref = model(x)
+        tol = dict(atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+        for other in (fast, copy.deepcopy(fast), loaded):
+            torch.testing.assert_close(other(x), ref, **tol)
+
+
+def test_eval_block_that_keeps_state_between_calls_is_left():
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return torch.relu(self.bn(self.conv(x)))
+
+    model = torch.nn.Sequential(randomize_batchnorm(Counting())).eval()
+    x = torch.randn(1, 4, 8, 8)
+    fast = opforge.optimize(model, force=True)
+    assert type(fast[0]) is Counting
+    before = fast[0].calls
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+        fast(x)
+    assert fast[0].calls == before + 2

@@ -77,12 +77,16 @@ def rewrite_blocks(model: torch.nn.Module) -> tuple[list[ResidualTail], dict[str
         modules = dict(block.named_modules())
         block_tails = _fuse_residual_tails(graph, modules)
         unshared = _unshare_activations(graph, modules)
-        if not block_tails and not unshared:
+        # An eval-mode block is rewritten even with neither where its class has no methods but
+        # ``forward`` to lose: its graph then calls its layers without the containers and
+        # identities between them (``skip_identity_calls``).
+        if not block_tails and not unshared and (block.training or not _only_forward(type(block))):
             continue
         used = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}
         rewritten = torch.fx.GraphModule(_referenced(block, modules, used), graph, class_name=type(block).__name__)
         rewritten.training = block.training  # the submodules are the block's own, in their own modes
-        for key, value in vars(block).items():  # plain attributes (a ResNet block's stride) stay readable
+        # Plain attributes (a ResNet block's stride, its class's expansion) stay readable.
+        for key, value in [*_class_constants(type(block)).items(), *vars(block).items()]:
             if not key.startswith("_") and not hasattr(rewritten, key):
                 setattr(rewritten, key, value)
         _set(model, name, rewritten)
@@ -138,6 +142,8 @@ def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
         return None
     if block.training and not all(fixed_by_trace(type(m).forward) for m in inlined):
         return None
+    if any(_sets_attributes(type(m).forward) for m in inlined):
+        return None  # state a forward keeps from call to call: a graph would not keep it
     try:
         return Tracer().trace(block)
     except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
@@ -189,6 +195,40 @@ def fixed_by_trace(forward) -> bool:
         if "JUMP" in name and "IF" in name and not _tests_attribute_for_none(ops, k):
             return False
     return True
+
+
+def _own_classes(cls: type) -> list[type]:
+    """``cls`` and its bases up to (not including) ``torch.nn.Module``."""
+    return [k for k in cls.__mro__ if issubclass(k, torch.nn.Module) and not k.__module__.startswith("torch.")]
+
+
+def _is_method(value) -> bool:
+    return callable(value) or isinstance(value, (property, classmethod, staticmethod))
+
+
+def _only_forward(cls: type) -> bool:
+    """The block's classes define no method or property but ``__init__`` and ``forward``."""
+    for klass in _own_classes(cls):
+        for key, value in vars(klass).items():
+            dunder = key.startswith("__") and key.endswith("__")
+            if not dunder and key != "forward" and _is_method(value):
+                return False
+    return True
+
+
+def _class_constants(cls: type) -> dict:
+    """The plain values the block's classes define (``expansion = 4``), base classes first."""
+    out = {}
+    for klass in reversed(_own_classes(cls)):
+        out.update({key: value for key, value in vars(klass).items() if not _is_method(value)})
+    return out
+
+
+def _sets_attributes(forward) -> bool:
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return True
+    return any(i.opname.startswith(("STORE_ATTR", "STORE_GLOBAL", "DELETE_")) for i in dis.get_instructions(code))
 
 
 def _tests_attribute_for_none(ops: list, k: int) -> bool:
