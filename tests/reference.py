@@ -4,6 +4,7 @@ per-dtype tolerances, error bounds of reductions, and poisoned output memory."""
 from __future__ import annotations
 
 import contextlib
+import io
 
 import torch
 
@@ -100,6 +101,14 @@ def poisoned(device="cpu"):
     finally:
         torch.use_deterministic_algorithms(old)
         torch.utils.deterministic.fill_uninitialized_memory = old_fill
+
+
+def saved_and_loaded(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` through ``torch.save`` and ``torch.load`` (a whole module: not weights only)."""
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 def randomize_batchnorm(model: torch.nn.Module) -> torch.nn.Module:

@@ -5,12 +5,11 @@ running statistic must equal the three modules' bit for bit; on CUDA within
 a rounding (cuDNN may pick another algorithm for a second call)."""
 
 import copy
-import io
 import re
 
 import pytest
 import torch
-from reference import poisoned, randomize_batchnorm
+from reference import poisoned, randomize_batchnorm, saved_and_loaded
 from training_models import step, train_model
 
 import opforge
@@ -416,9 +415,7 @@ def test_optimized_training_model_copies_saves_and_compiles():
     x = torch.randn(2, 3, 64, 64)
     fast = opforge.optimize(model)
     copied = copy.deepcopy(fast)
-    buf = io.BytesIO()
-    torch.save(fast, buf)
-    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    loaded = saved_and_loaded(fast)
     # Each copy's conv reads its own copy's BatchNorm.
     assert copied.bn1 is copied.conv1.batch_norm and loaded.bn1 is loaded.conv1.batch_norm
     expected = step(model, x)

@@ -4,12 +4,11 @@ On CUDA the float32 convolutions run without TF32 here, so both layouts compare 
 tolerance."""
 
 import copy
-import io
 import threading
 
 import pytest
 import torch
-from reference import randomize_batchnorm
+from reference import randomize_batchnorm, saved_and_loaded
 
 import opforge
 from opforge import nn_prepacked_ops, optimize_layout
@@ -305,10 +304,7 @@ def test_hooked_model_copies_pickles_compiles_exports_and_reoptimizes(monkeypatc
     assert optimize_layout.has_channels_last_hooks(fast)
     again = opforge.optimize(fast, example_inputs=(x,))  # no second pair of hooks
     assert sum(h is optimize_layout.channels_last_inputs for h in again._forward_pre_hooks.values()) == 1
-    buffer = io.BytesIO()
-    torch.save(fast, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = saved_and_loaded(fast)
     assert optimize_layout.has_channels_last_hooks(loaded)
     torch._dynamo.reset()
     compiled = torch.compile(fast, fullgraph=True)

@@ -1,14 +1,13 @@
 """Residual tails and shared activations: optimize's block-level rewrites and opforge.nn.ConvResidual."""
 
 import copy
-import io
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conv_bounds import TORCH_ACT
-from reference import randomize_batchnorm
+from reference import randomize_batchnorm, saved_and_loaded
 
 import opforge
 from opforge import nn_prepacked_ops
@@ -226,10 +225,7 @@ def test_state_dict_copies_pickle_compile_and_export():
         for p in again.parameters():
             p.add_(1.0)
     again.load_state_dict(state)
-    buffer = io.BytesIO()
-    torch.save(fast, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = saved_and_loaded(fast)
     torch._dynamo.reset()
     compiled = torch.compile(fast, fullgraph=True)
     exported = torch.export.export(fast, (x,))
@@ -475,10 +471,7 @@ def test_eval_blocks_call_their_layers_without_containers_or_identities(name):
     added = set(fast.state_dict()) - set(model.state_dict())
     assert dropped and all(any(k.startswith(bn + ".") for bn in batch_norms) for k in dropped)
     assert all(k.endswith(".bias") and k[: -len("bias")] + "weight" in model.state_dict() for k in added)
-    buffer = io.BytesIO()
-    torch.save(fast, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = saved_and_loaded(fast)
     with torch.no_grad():
         ref = model(x)
         tol = dict(atol=2e-4 * ref.abs().max().item(), rtol=2e-4)

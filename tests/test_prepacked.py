@@ -1,12 +1,12 @@
 """opforge.nn.PrepackedConv2d: oneDNN's CPU convolution with a prepacked weight and a fused activation."""
 
 import copy
-import io
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conv_bounds import TORCH_ACT
+from reference import saved_and_loaded
 
 import opforge
 from opforge import nn_prepacked_ops
@@ -120,10 +120,7 @@ def test_copy_pickle_and_state_dict():
         out = fast(x)
         assert fast._packed is not None
         torch.testing.assert_close(copy.deepcopy(fast)(x), out)
-        buf = io.BytesIO()
-        torch.save(fast, buf)
-        buf.seek(0)
-        torch.testing.assert_close(torch.load(buf, weights_only=False)(x), out)
+        torch.testing.assert_close(saved_and_loaded(fast)(x), out)
     assert set(fast.state_dict()) == set(conv.state_dict()) == {"weight", "bias"}
     plain = torch.nn.Conv2d(4, 6, 1)
     plain.load_state_dict(fast.state_dict())

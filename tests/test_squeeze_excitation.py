@@ -1,12 +1,11 @@
 """opforge.squeeze_excitation, opforge.nn.SqueezeExcitation and optimize's squeeze blocks."""
 
 import copy
-import io
 
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import randomize_batchnorm
+from reference import randomize_batchnorm, saved_and_loaded
 
 import opforge
 from opforge import optimize_choice
@@ -117,10 +116,7 @@ def test_state_dict_round_trip_and_pickle():
     other = torchvision_block()
     other.load_state_dict(fast.state_dict())  # loads into torchvision's block, and back
     fast.load_state_dict(other.state_dict())
-    buf = io.BytesIO()
-    torch.save(fast, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = saved_and_loaded(fast)
     x = torch.randn(1, 16, 3, 3)
     torch.testing.assert_close(loaded(x), block(x))
     torch.testing.assert_close(copy.deepcopy(fast)(x), block(x))

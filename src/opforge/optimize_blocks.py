@@ -116,7 +116,7 @@ def skip_identity_calls(model: torch.nn.Module, originals: dict[str, torch.nn.Mo
         block = model.get_submodule(name)
         if block is original or not isinstance(block, torch.fx.GraphModule):
             continue  # put back as it was: its own code
-        graph = block.graph
+        graph, before = block.graph, dropped
         for node in list(graph.nodes):
             if node.op != "call_module" or len(node.args) != 1 or node.kwargs:
                 continue
@@ -128,7 +128,8 @@ def skip_identity_calls(model: torch.nn.Module, originals: dict[str, torch.nn.Mo
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             dropped += 1
-        block.recompile()
+        if dropped > before:
+            block.recompile()
     return dropped
 
 
@@ -158,6 +159,8 @@ def has_hooks(m: torch.nn.Module) -> bool:
 # The jumps a trace may fix: a test of ``self.<attr> is [not] None`` (a submodule that is there or
 # not, as ResNet's downsample), whatever the Python version's opcode for it.
 _NONE_JUMPS = ("POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE", "POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE")
+# Opcodes that change state a trace would not replay (an attribute, a global).
+_STATE_WRITES = ("STORE_ATTR", "STORE_GLOBAL", "DELETE_")
 _SKIPPED_OPS = ("CACHE", "EXTENDED_ARG", "TO_BOOL", "NOT_TAKEN", "RESUME", "NOP")
 # Not getattr / hasattr: they could read ``training`` by name.
 _SAFE_BUILTINS = {
@@ -186,7 +189,7 @@ def fixed_by_trace(forward) -> bool:
     ops = [i for i in dis.get_instructions(code) if i.opname not in _SKIPPED_OPS]
     for k, ins in enumerate(ops):
         name = ins.opname
-        if name.startswith(("STORE_ATTR", "STORE_GLOBAL", "DELETE_", "MAKE_FUNCTION", "LOAD_DEREF")):
+        if name.startswith(_STATE_WRITES + ("MAKE_FUNCTION", "LOAD_DEREF")):
             return False
         if name in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "training":
             return False
@@ -228,7 +231,7 @@ def _sets_attributes(forward) -> bool:
     code = getattr(forward, "__code__", None)
     if code is None:
         return True
-    return any(i.opname.startswith(("STORE_ATTR", "STORE_GLOBAL", "DELETE_")) for i in dis.get_instructions(code))
+    return any(i.opname.startswith(_STATE_WRITES) for i in dis.get_instructions(code))
 
 
 def _tests_attribute_for_none(ops: list, k: int) -> bool:
