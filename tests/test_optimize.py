@@ -1,6 +1,7 @@
 """opforge.optimize: BatchNorm folding, fused 3x3 convs chosen by timing, and the report."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -258,7 +259,14 @@ def test_bad_model_argument():
         opforge.optimize(lambda x: x)
 
 
-def test_folding_is_kept_only_where_it_does_not_time_slower(monkeypatch):
+@pytest.fixture
+def layout_kept(monkeypatch):
+    """No model-level layout choice: the tests that count the layer timings optimize each layer
+    once (an NCHW model that a real timing kept NCHW would be optimized in both layouts)."""
+    monkeypatch.setattr(sys.modules["opforge.optimize"], "choose_channels_last", lambda model, inputs: (False, ""))
+
+
+def test_folding_is_kept_only_where_it_does_not_time_slower(monkeypatch, layout_kept):
     """The fold is a measured choice too: where the folded conv times slower, the pair stays,
     unless opforge's kernel on the folded conv beats the pair."""
     from opforge import optimize_choice
@@ -298,7 +306,7 @@ def test_folding_is_kept_only_where_it_does_not_time_slower(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", [1, 3])
-def test_layer_slower_than_inductors_form_traces_as_torch_ops(monkeypatch, kernel):
+def test_layer_slower_than_inductors_form_traces_as_torch_ops(monkeypatch, kernel, layout_kept):
     """A layer whose kernel beats torch's eager layers but not the conv alone (what inductor runs,
     the bias and activation fused elsewhere) runs opforge's op in eager and torch's under compile."""
     from opforge import optimize_choice
@@ -342,7 +350,7 @@ def test_layer_slower_than_inductors_form_traces_as_torch_ops(monkeypatch, kerne
 
 
 @pytest.mark.parametrize("prepacked_us, expected", [(3.0, "prepacked"), (6.0, "opforge"), (20.0, "opforge")])
-def test_fastest_winning_candidate_is_taken(monkeypatch, prepacked_us, expected):
+def test_fastest_winning_candidate_is_taken(monkeypatch, prepacked_us, expected, layout_kept):
     """On the CPU a layer has two candidates, opforge's kernel and oneDNN with a prepacked weight;
     of those faster than torch's layers, the fastest replaces them."""
     from opforge import optimize_choice

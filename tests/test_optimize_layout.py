@@ -4,6 +4,7 @@ On CUDA the float32 convolutions run without TF32 here, so both layouts compare 
 tolerance."""
 
 import copy
+import sys
 import threading
 
 import pytest
@@ -94,8 +95,8 @@ def test_slower_channels_last_is_not_taken(monkeypatch, device):
 
 def test_second_look_with_opforge_layers_can_take_channels_last(monkeypatch, device, no_tf32):
     """torch's convs copy an NCHW weight for every channels_last input; opforge's layers reorder
-    (CPU) or copy (CUDA) theirs once, so the optimized model is timed again, and may run
-    channels_last inside."""
+    (CPU) or copy (CUDA) theirs once: an eval model that kept NCHW is optimized both ways, and may
+    run channels_last inside."""
     timings(monkeypatch, 10.0, 10.0, optimized=(5.0, 10.0))
     model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval().to(device)
     x = torch.randn(1, 3, 32, 32, device=device)
@@ -114,6 +115,38 @@ def test_second_look_with_opforge_layers_can_take_channels_last(monkeypatch, dev
     monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: pytest.fail("timed twice"))
     again = opforge.optimize(model, example_inputs=(x,))
     assert optimize_layout.has_channels_last_hooks(again)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_second_look_times_each_layouts_layers_on_that_layout(monkeypatch, inplace):
+    """The two optimized models of the second look have their layers timed and chosen on the inputs
+    they will see: NCHW for the one, channels_last for the other. In place, the model itself ends up
+    as the faster one (its choices remade from the cached timings)."""
+    timings(monkeypatch, 10.0, 10.0, optimized=(5.0, 10.0))
+    module = sys.modules["opforge.optimize"]
+    layer_inputs, seen = module._layer_inputs, []
+
+    def spy(model, names, example_inputs):
+        found = layer_inputs(model, names, example_inputs)
+        seen.append({layout(args[0]) for args in found.values()} - {None})
+        return found
+
+    def layout(t):  # None where both hold (one channel, or a 1x1 plane)
+        cl = t.is_contiguous(memory_format=torch.channels_last)
+        return None if cl == t.is_contiguous() else ("cl" if cl else "nchw")
+
+    monkeypatch.setattr(module, "_layer_inputs", spy)
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    original = copy.deepcopy(model)
+    x = torch.randn(1, 3, 32, 32)
+    fast, report = opforge.optimize(model, example_inputs=(x,), inplace=inplace, report=True)
+    assert seen[:2] == [{"nchw"}, {"cl"}], seen
+    assert (fast is model) == inplace
+    assert optimize_layout.has_channels_last_hooks(fast)
+    assert any(row.action != "left" for row in report.layers), str(report)
+    with torch.no_grad():
+        ref, out = original(x), fast(x)
+    torch.testing.assert_close(out, ref, atol=2e-5 * ref.abs().max().item(), rtol=2e-5)
 
 
 def test_no_second_look_in_training(monkeypatch):

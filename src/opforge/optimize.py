@@ -43,8 +43,8 @@ trace):
 - A model called with NCHW batches (CPU or CUDA; eval or training mode)
   runs channels_last inside (``optimize_layout``: a hook converts the inputs
   once and the 4-d outputs back) where that measures faster with torch's own
-  layers; an eval-mode model that kept NCHW is timed once more with
-  opforge's layers in place, which may change the answer. On CUDA a folded
+  layers; an eval-mode model that kept NCHW is optimized both ways (its
+  layers timed and chosen on each layout) and the faster model is kept. On CUDA a folded
   conv whose weight is NCHW runs as a ``PrepackedConv2d``, which hands cuDNN
   a channels_last copy of its weight made once, not per call.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
@@ -69,7 +69,7 @@ from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks, skip_identity_calls
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
-from .optimize_layout import choose_channels_last, reconsider_channels_last
+from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
 from .optimize_patterns import Chain, describe_conv, find_chains
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
@@ -105,10 +105,35 @@ def optimize(
         raise TypeError(f"opforge.optimize: model must be a torch.nn.Module, got {type(model).__name__}")
     out = model if inplace else copy.deepcopy(model)
     notes = []
-    if example_inputs is not None and not force:
-        # Before any layer is replaced: the layers are then timed on the layout they will see.
-        _, why = choose_channels_last(out, example_inputs)
-        notes += [why] if why else []
+    if example_inputs is None or force:
+        layers = _replace_layers(out, example_inputs, force)
+        return _finish(out, layers, notes, report)
+    # Before any layer is replaced: the layers are then timed on the layout they will see.
+    installed, why = choose_channels_last(out, example_inputs)
+    notes += [why] if why else []
+    if installed or not second_look_applies(out, example_inputs, why):
+        return _finish(out, _replace_layers(out, example_inputs, force), notes, report)
+    # An eval-mode model that kept NCHW: optimized both ways, the faster whole model kept.
+    try:
+        nchw, inside = (out if not inplace else copy.deepcopy(out)), copy.deepcopy(out)
+    except Exception as e:  # noqa: BLE001 - e.g. a lock or a handle among the model's attributes
+        notes.append(f"NCHW kept: the second look optimizes a copy, and this model does not copy ({str(e)[:80]})")
+        return _finish(out, _replace_layers(out, example_inputs, force), notes, report)
+    install_channels_last(inside)
+    nchw_layers = _replace_layers(nchw, example_inputs, force)
+    inside_layers = _replace_layers(inside, example_inputs, force)
+    take_inside, why = faster_layout(nchw, inside, example_inputs)
+    notes.append(why)
+    if not inplace:
+        return _finish(*((inside, inside_layers) if take_inside else (nchw, nchw_layers)), notes, report)
+    # In place: the winner's replacements made again on the model itself (every timing is cached).
+    if take_inside:
+        install_channels_last(out)
+    return _finish(out, _replace_layers(out, example_inputs, force), notes, report)
+
+
+def _replace_layers(out: torch.nn.Module, example_inputs: tuple | None, force: bool) -> dict[str, LayerReport]:
+    """Every pattern of ``out`` replaced where it pays (in place): the report's rows by layer name."""
     measured = example_inputs is not None
     # Squeeze-and-excitation blocks first: replaced, their 1x1 convs are no chains of their own.
     blocks = find_squeeze_blocks(out)
@@ -123,13 +148,16 @@ def optimize(
     layers.update({t.name: apply_tail(out, t, inputs.get(t.name), measured, force) for t in tails})
     restore_unchanged_blocks(out, rewritten, [name for name, layer in layers.items() if layer.action != "left"])
     skip_identity_calls(out, rewritten)
-    if example_inputs is not None and not force:
-        why = reconsider_channels_last(out, example_inputs)
-        notes += [why] if why else []
-    # The report lists the layers in the model's order.
+    return layers
+
+
+def _finish(out: torch.nn.Module, layers: dict[str, LayerReport], notes: list[str], report: bool):
+    """``out``, with its report where asked: the layers in the model's order."""
+    if not report:
+        return out
     order = {name: i for i, (name, _) in enumerate(out.named_modules())}
     ordered = [layers[name] for name in sorted(layers, key=lambda n: order.get(n, len(order)))]
-    return (out, OptimizeReport(ordered, notes)) if report else out
+    return out, OptimizeReport(ordered, notes)
 
 
 def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measured: bool, force: bool) -> LayerReport:
