@@ -366,6 +366,28 @@ def test_channels_last_weight_is_copied_once_per_weight_version():
     assert nn_prepacked_ops.channels_last_weight(x, frozen) is frozen
 
 
+def test_weight_caches_let_go_of_a_weight_that_dies():
+    """The caches are keyed by the weight's id: an entry must die with its weight, so that a new
+    tensor that gets the same id never finds the old weight's copy."""
+    x = torch.randn(1, 4, 5, 5).to(memory_format=torch.channels_last)
+    caches = [nn_prepacked_ops._CHANNELS_LAST]
+    weight = torch.nn.Parameter(torch.randn(6, 4, 3, 3))
+    nn_prepacked_ops.channels_last_weight(x, weight)
+    if onednn_runs(torch.float32):
+        caches.append(nn_prepacked_ops._PACKED)
+        nn_prepacked_ops.packed_weight(weight, x, (1, 1), (1, 1), (1, 1), 1)
+        assert nn_prepacked_ops.cached(weight) is not None
+    key = id(weight)
+    assert all(key in cache._entries for cache in caches)
+    del weight
+    assert all(key not in cache._entries for cache in caches)
+    # An entry whose weakref no longer points at the tensor asked about is not found.
+    other = torch.nn.Parameter(torch.randn(6, 4, 3, 3))
+    nn_prepacked_ops._CHANNELS_LAST._entries[id(other)] = (lambda: None, (other.data_ptr(), other._version, other))
+    assert nn_prepacked_ops.cached_channels_last(other) is None
+    assert nn_prepacked_ops.channels_last_weight(x, other) is not other
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("activation", [None, "relu", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,14 +20,36 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 # opforge's activation names -> oneDNN's post-op and its scalars ("none": no activation).
 POST_OPS = {"none": ("none", []), "relu": ("relu", []), "relu6": ("hardtanh", [0.0, 6.0])}
 POST_OPS.update({"hardswish": ("hardswish", []), "silu": ("swish", [])})
 
-# weight tensor -> (what the reordering depends on, the reordered weight); one tuple, replaced whole.
-_PACKED = WeakIdKeyDictionary()
+
+class _ByWeight:
+    """One cached value per weight tensor, keyed by ``id(weight)``: these lookups run once per layer
+    call, and a weak-key lookup costs microseconds, as much as some of the calls they serve. Each
+    entry holds a weakref to its weight whose callback drops the entry when the weight dies, before
+    its id can be reused; a lookup also checks that the weakref still points at the weight."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple] = {}
+
+    def get(self, weight: torch.Tensor):
+        entry = self._entries.get(id(weight))
+        return entry[1] if entry is not None and entry[0]() is weight else None
+
+    def put(self, weight: torch.Tensor, value) -> None:
+        key, entries = id(weight), self._entries
+        entries[key] = (weakref.ref(weight, lambda _: entries.pop(key, None)), value)
+
+    def drop(self, weight: torch.Tensor) -> None:
+        if self.get(weight) is not None:
+            del self._entries[id(weight)]
+
+
+# weight -> (what the reordering depends on, the reordered weight); one tuple, replaced whole.
+_PACKED = _ByWeight()
 
 
 def pack(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilation, groups: int) -> torch.Tensor:
@@ -48,7 +70,7 @@ def packed_weight(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilati
     entry = _PACKED.get(weight)
     if entry is None or entry[0] != key:
         entry = (key, pack(weight, x, stride, padding, dilation, groups))
-        _PACKED[weight] = entry
+        _PACKED.put(weight, entry)
     return entry[1]
 
 
@@ -58,11 +80,8 @@ def cached(weight: torch.Tensor) -> torch.Tensor | None:
     return None if entry is None else entry[1]
 
 
-# id(weight) -> (weakref to the weight, its data_ptr, its version, its channels_last copy). Keyed by
-# id, not by a weak key: this lookup runs once per layer call, and a weak-key lookup costs
-# microseconds, as much as the launch it saves on a fast path. The weakref's callback drops the
-# entry with its weight, before the id can be reused.
-_CHANNELS_LAST: dict[int, tuple] = {}
+# weight -> (its data_ptr, its version, its channels_last copy).
+_CHANNELS_LAST = _ByWeight()
 
 
 def channels_last_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,26 +94,23 @@ def channels_last_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return weight
     if weight.is_inference():
         return weight
-    key = id(weight)
-    entry = _CHANNELS_LAST.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == weight.data_ptr() and entry[2] == weight._version:
-        return entry[3]
+    entry = _CHANNELS_LAST.get(weight)
+    if entry is not None and entry[0] == weight.data_ptr() and entry[1] == weight._version:
+        return entry[2]
     copied = weight.detach().contiguous(memory_format=torch.channels_last)
-    ref = weakref.ref(weight, lambda _, key=key: _CHANNELS_LAST.pop(key, None))
-    _CHANNELS_LAST[key] = (ref, weight.data_ptr(), weight._version, copied)
+    _CHANNELS_LAST.put(weight, (weight.data_ptr(), weight._version, copied))
     return copied
 
 
 def cached_channels_last(weight: torch.Tensor) -> torch.Tensor | None:
     """The channels_last copy cached for ``weight``, if a call made one."""
-    entry = _CHANNELS_LAST.get(id(weight))
-    return entry[3] if entry is not None and entry[0]() is weight else None
+    entry = _CHANNELS_LAST.get(weight)
+    return None if entry is None else entry[2]
 
 
 def drop(weight: torch.Tensor) -> None:
-    _PACKED.pop(weight, None)
-    if cached_channels_last(weight) is not None:
-        del _CHANNELS_LAST[id(weight)]
+    _PACKED.drop(weight)
+    _CHANNELS_LAST.drop(weight)
 
 
 def output_layout(x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation) -> tuple[list[int], bool]:
