@@ -123,12 +123,15 @@ def test_second_look_times_each_layouts_layers_on_that_layout(monkeypatch, inpla
     they will see: NCHW for the one, channels_last for the other. In place, the model itself ends up
     as the faster one (its choices remade from the cached timings)."""
     timings(monkeypatch, 10.0, 10.0, optimized=(5.0, 10.0))
+    from opforge import optimize_choice
+
     module = sys.modules["opforge.optimize"]
-    layer_inputs, seen = module._layer_inputs, []
+    layer_inputs, seen, timings_cached = module._layer_inputs, [], []
 
     def spy(model, names, example_inputs):
         found = layer_inputs(model, names, example_inputs)
         seen.append({layout(args[0]) for args in found.values()} - {None})
+        timings_cached.append(len(optimize_choice._cache))
         return found
 
     def layout(t):  # None where both hold (one channel, or a 1x1 plane)
@@ -142,11 +145,47 @@ def test_second_look_times_each_layouts_layers_on_that_layout(monkeypatch, inpla
     fast, report = opforge.optimize(model, example_inputs=(x,), inplace=inplace, report=True)
     assert seen[:2] == [{"nchw"}, {"cl"}], seen
     assert (fast is model) == inplace
+    if inplace:  # the third pass, over the model itself, took every choice from the cache
+        assert len(seen) == 3 and seen[2] == {"cl"} and len(optimize_choice._cache) == timings_cached[2]
     assert optimize_layout.has_channels_last_hooks(fast)
     assert any(row.action != "left" for row in report.layers), str(report)
     with torch.no_grad():
         ref, out = original(x), fast(x)
     torch.testing.assert_close(out, ref, atol=2e-5 * ref.abs().max().item(), rtol=2e-5)
+
+
+def test_second_look_keeps_nchw_where_the_channels_last_copy_fails(monkeypatch):
+    """An error while optimizing the channels_last copy (a kernel, memory) leaves the NCHW one."""
+    timings(monkeypatch, 10.0, 10.0, optimized=(5.0, 10.0))
+    module = sys.modules["opforge.optimize"]
+    replace_layers = module._replace_layers
+
+    def failing_inside(model, example_inputs, force):
+        if optimize_layout.has_channels_last_hooks(model):
+            raise RuntimeError("out of memory")
+        return replace_layers(model, example_inputs, force)
+
+    monkeypatch.setattr(module, "_replace_layers", failing_inside)
+    model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    x = torch.randn(1, 3, 32, 32)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert not optimize_layout.has_channels_last_hooks(fast)
+    assert report.notes[1].startswith("NCHW kept: optimizing the model channels_last inside failed (out of memory")
+    with torch.no_grad():
+        ref, out = model(x), fast(x)
+    torch.testing.assert_close(out, ref, atol=2e-5 * ref.abs().max().item(), rtol=2e-5)
+
+
+def test_the_choice_is_cached_per_module_settings():
+    """Two models alike in their modules and parameters but not in a conv's stride or a pool's
+    kernel compute other things: each gets its own timing."""
+    model = torchvision.models.resnet18(num_classes=10)
+    other = copy.deepcopy(model)
+    other.conv1.stride, other.maxpool.kernel_size = (1, 1), 1
+    batches = [torch.randn(1, 3, 32, 32)]
+    key = optimize_layout._architecture(model, batches)
+    assert key != optimize_layout._architecture(other, batches)
+    assert key == optimize_layout._architecture(copy.deepcopy(model), batches)
 
 
 def test_no_second_look_in_training(monkeypatch):
