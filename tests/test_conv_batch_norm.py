@@ -361,7 +361,7 @@ def test_timed_training_chains_where_the_op_runs_aten(name):
     assert all(p.grad is None for p in fast.parameters())
     assert list(fast.state_dict()) == list(model.state_dict())
     if optimize_layout.has_channels_last_hooks(fast):  # NCHW measured slower: then the same layout
-        optimize_layout._install(model)
+        optimize_layout.install_channels_last(model)
     # opforge's convs sum in their own order. In float64 the two train alike to rounding. In
     # float32 the first step's loss agrees; after one SGD step on this small input, whose
     # BatchNorms see a few values per channel, both float32 runs are some 1e-5 from float64 and

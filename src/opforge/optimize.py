@@ -112,7 +112,7 @@ def optimize(
     # Before any layer is replaced: the layers are then timed on the layout they will see.
     installed, why = choose_channels_last(out, example_inputs)
     notes += [why] if why else []
-    if installed or not second_look_applies(out, example_inputs, why):
+    if installed or not second_look_applies(out, why):
         return _finish(out, _replace_layers(out, example_inputs, force), notes, report)
     # An eval-mode model that kept NCHW: optimized both ways, the faster whole model kept.
     return _finish(*_both_layouts(out, example_inputs, inplace, notes), notes, report)

@@ -88,11 +88,11 @@ def has_channels_last_hooks(model: torch.nn.Module) -> bool:
     return any(h is channels_last_inputs for h in model._forward_pre_hooks.values())
 
 
-def _install(model: torch.nn.Module) -> list:
-    return [
-        model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True),
-        model.register_forward_hook(nchw_outputs, with_kwargs=True),
-    ]
+def install_channels_last(model: torch.nn.Module) -> None:
+    """The two hooks on ``model`` (once): NCHW inputs run channels_last inside, 4-d outputs come back NCHW."""
+    if not has_channels_last_hooks(model):
+        model.register_forward_pre_hook(channels_last_inputs, with_kwargs=True)
+        model.register_forward_hook(nchw_outputs, with_kwargs=True)
 
 
 def _drift(t: torch.Tensor, training: bool = False) -> float:
@@ -141,7 +141,7 @@ def _same_in_float32(model: torch.nn.Module, example_inputs: tuple, device: torc
     )
     call = _one_call(wide, inputs)
     plain = _seeded(call, device)
-    _install(wide)
+    install_channels_last(wide)
     return _same(_seeded(call, device), plain, training=True)
 
 
@@ -211,7 +211,7 @@ def _hooked_call(model: torch.nn.Module, example_inputs: tuple, device: torch.de
     """``_one_call`` of ``model`` with the hooks on, where its outputs pass ``same(hooked, plain)``;
     elsewhere the error (or "outputs differ") is raised. The model itself gets no hook."""
     inside = _Inside(model)
-    _install(inside)
+    install_channels_last(inside)
     call = _one_call(inside, example_inputs)
     if not same(_seeded(call, device), plain):
         raise RuntimeError("outputs differ")
@@ -294,20 +294,14 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
     times = f"measured {inside_us / 1e3:.2f} ms vs {nchw_us / 1e3:.2f} ms in NCHW, {what}, {layers}"
     if inside_us * _MARGIN > nchw_us:
         return False, f"{_NOT_FASTER} ({times})"
-    _install(model)
+    install_channels_last(model)
     return True, f"NCHW inputs run as channels_last inside, outputs converted back ({times})"
 
 
-def second_look_applies(model: torch.nn.Module, example_inputs: tuple, why: str) -> bool:
+def second_look_applies(model: torch.nn.Module, why: str) -> bool:
     """The first choice kept NCHW for an eval-mode model that runs channels_last inside, only because
     that was not faster with torch's layers: ``optimize`` then optimizes it both ways (``faster_layout``)."""
-    return not model.training and why.startswith(_NOT_FASTER) and bool(_nchw_batches(example_inputs))
-
-
-def install_channels_last(model: torch.nn.Module) -> None:
-    """The two hooks on ``model``: NCHW inputs run channels_last inside, 4-d outputs come back NCHW."""
-    if not has_channels_last_hooks(model):
-        _install(model)
+    return not model.training and why.startswith(_NOT_FASTER)
 
 
 def faster_layout(nchw: torch.nn.Module, inside: torch.nn.Module, example_inputs: tuple) -> tuple[bool, str]:
