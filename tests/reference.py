@@ -115,7 +115,8 @@ def randomize_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
     """Random BatchNorm statistics and affine parameters, in place: a fresh model's mean 0 /
     variance 1 would hide folding bugs."""
     for m in model.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
+        # torchvision's FrozenBatchNorm2d holds the same four tensors, as buffers
+        if isinstance(m, torch.nn.BatchNorm2d) or type(m).__name__ == "FrozenBatchNorm2d":
             m.running_mean.uniform_(-1, 1)
             m.running_var.uniform_(0.5, 2.0)
             m.weight.data.uniform_(0.5, 1.5)

@@ -263,6 +263,8 @@ def _train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tens
     input) the modules stay wherever the engine would not take the layer.
     Without them the op is put in untimed and picks its engine per call."""
     why = "training mode: BatchNorm is not folded"
+    if not isinstance(bn, torch.nn.BatchNorm2d):  # FrozenBatchNorm2d: folded, the conv would train another weight
+        return LayerReport(chain.conv, pattern, "left", f"{why}; {type(bn).__name__} is folded in eval mode only")
     if type(conv) is not torch.nn.Conv2d or type(bn) is not torch.nn.BatchNorm2d or not bn.training:
         return LayerReport(chain.conv, pattern, "left", f"{why}; not a plain Conv2d and training BatchNorm2d")
     if bn.momentum is None:

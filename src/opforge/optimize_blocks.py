@@ -38,7 +38,7 @@ from .nn_conv_batch_norm import BatchNormInConv
 from .nn_prepacked import explicit_padding
 from .nn_residual import ConvResidual
 from .optimize_fold import folded_conv
-from .optimize_patterns import ACTIVATIONS, Tracer, describe_conv
+from .optimize_patterns import ACTIVATIONS, STATE_WRITES, Tracer, batch_norm_kinds, describe_conv, trace_or_none
 
 # The activations a residual tail may end with, by opforge's name for them.
 _ACTIVATION_NAMES = {torch.nn.ReLU: "relu", torch.nn.ReLU6: "relu6", torch.nn.Hardswish: "hardswish"}
@@ -143,12 +143,7 @@ def _trace(block: torch.nn.Module) -> torch.fx.Graph | None:
         return None
     if block.training and not all(fixed_by_trace(type(m).forward) for m in inlined):
         return None
-    if any(_sets_attributes(type(m).forward) for m in inlined):
-        return None  # state a forward keeps from call to call: a graph would not keep it
-    try:
-        return Tracer().trace(block)
-    except Exception:  # noqa: BLE001 - control flow fx cannot trace: left as it is
-        return None
+    return trace_or_none(block)  # None also where a forward keeps state from call to call
 
 
 def has_hooks(m: torch.nn.Module) -> bool:
@@ -159,8 +154,6 @@ def has_hooks(m: torch.nn.Module) -> bool:
 # The jumps a trace may fix: a test of ``self.<attr> is [not] None`` (a submodule that is there or
 # not, as ResNet's downsample), whatever the Python version's opcode for it.
 _NONE_JUMPS = ("POP_JUMP_IF_NONE", "POP_JUMP_IF_NOT_NONE", "POP_JUMP_FORWARD_IF_NONE", "POP_JUMP_FORWARD_IF_NOT_NONE")
-# Opcodes that change state a trace would not replay (an attribute, a global).
-_STATE_WRITES = ("STORE_ATTR", "STORE_GLOBAL", "DELETE_")
 _SKIPPED_OPS = ("CACHE", "EXTENDED_ARG", "TO_BOOL", "NOT_TAKEN", "RESUME", "NOP")
 # Not getattr / hasattr: they could read ``training`` by name.
 _SAFE_BUILTINS = {
@@ -189,7 +182,7 @@ def fixed_by_trace(forward) -> bool:
     ops = [i for i in dis.get_instructions(code) if i.opname not in _SKIPPED_OPS]
     for k, ins in enumerate(ops):
         name = ins.opname
-        if name.startswith(_STATE_WRITES + ("MAKE_FUNCTION", "LOAD_DEREF")):
+        if name.startswith(STATE_WRITES + ("MAKE_FUNCTION", "LOAD_DEREF")):
             return False
         if name in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval == "training":
             return False
@@ -225,13 +218,6 @@ def _class_constants(cls: type) -> dict:
     for klass in reversed(_own_classes(cls)):
         out.update({key: value for key, value in vars(klass).items() if not _is_method(value)})
     return out
-
-
-def _sets_attributes(forward) -> bool:
-    code = getattr(forward, "__code__", None)
-    if code is None:
-        return True
-    return any(i.opname.startswith(_STATE_WRITES) for i in dis.get_instructions(code))
 
 
 def _tests_attribute_for_none(ops: list, k: int) -> bool:
@@ -313,7 +299,7 @@ def _is_plain_add(node) -> bool:
 def _conv_chain(graph: torch.fx.Graph, node, modules: dict):
     """(conv node, BatchNorm node or None) where ``node`` is ``[bn](conv(x))``, each read once, eval mode."""
     bn_node = None
-    if _module_of(node, modules, torch.nn.BatchNorm2d) is not None:
+    if _module_of(node, modules, batch_norm_kinds()) is not None:
         bn_node, node = node, node.args[0]
         if _only_reader(node) is not bn_node or _call_count(graph, bn_node.target) != 1:
             return None
@@ -322,7 +308,8 @@ def _conv_chain(graph: torch.fx.Graph, node, modules: dict):
         return None
     if conv.training or conv.padding_mode != "zeros" or explicit_padding(conv) is None:
         return None
-    if bn_node is not None and (modules[bn_node.target].training or not modules[bn_node.target].track_running_stats):
+    bn = modules[bn_node.target] if bn_node is not None else None
+    if bn is not None and (bn.training or not getattr(bn, "track_running_stats", True)):  # Frozen: has none
         return None
     if bn_node is None and len(node.users) != 1:
         return None
@@ -351,7 +338,7 @@ def _replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortc
     for node in (act_node, add, bn_node, conv_node):
         if node is not None:
             graph.erase_node(node)
-    names = [describe_conv(conv)] + (["BatchNorm2d"] if bn is not None else []) + ["add", type(act).__name__]
+    names = [describe_conv(conv)] + ([type(bn).__name__] if bn is not None else []) + ["add", type(act).__name__]
     return ResidualTail(conv_node.target, conv, bn, act, " -> ".join(names))
 
 
@@ -363,7 +350,7 @@ def _unshare_activations(graph: torch.fx.Graph, modules: dict) -> int:
         if act is None or _call_count(graph, node.target) < 2 or not node.args:
             continue
         source = node.args[0]
-        if _module_of(source, modules, (torch.nn.Conv2d, torch.nn.BatchNorm2d)) is None:
+        if _module_of(source, modules, (torch.nn.Conv2d, *batch_norm_kinds())) is None:
             continue
         base, k = node.target.replace(".", "_"), 1
         while f"{base}_{k}" in modules:

@@ -4,15 +4,19 @@ A chain links modules that run one after the other on one tensor: the conv's
 output is read only by the BatchNorm, the BatchNorm's only by the
 activation, and each module is called once in the whole model (a module
 shared by two places, such as torchvision ResNet's ``self.relu``, is never
-replaced). The order comes from a ``torch.fx`` trace of the model; a model
-that does not trace is read through its ``nn.Sequential`` containers, whose
-order is their call order.
+replaced). The order comes from a ``torch.fx`` trace of the model. Where
+a module does not trace (a detection model's control flow), each of its
+children is traced on its own, down to the submodules that do; an
+``nn.Sequential`` that does not trace is read in the order of its children,
+which is its call order.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import dis
+import sys
 
 import torch
 
@@ -20,6 +24,15 @@ from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 
 # The activations a chain may end with (the ones opforge may fuse or report on).
 ACTIVATIONS = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardswish, torch.nn.SiLU)
+
+
+def batch_norm_kinds() -> tuple[type, ...]:
+    """BatchNorm2d, and torchvision's FrozenBatchNorm2d (detection backbones) where torchvision is loaded.
+
+    A model holding a FrozenBatchNorm2d has imported torchvision already: no import here. Both
+    hold running statistics, an affine weight and bias and ``eps``: eval mode folds them alike."""
+    frozen = getattr(sys.modules.get("torchvision.ops.misc"), "FrozenBatchNorm2d", None)
+    return (torch.nn.BatchNorm2d,) + ((frozen,) if isinstance(frozen, type) else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,26 +43,67 @@ class Chain:
 
 
 class Tracer(torch.fx.Tracer):
-    """fx's tracer, with opforge's own layers as leaves (their forward branches on the input)."""
+    """fx's tracer, with opforge's own layers (their forward branches on the input) and every
+    BatchNorm kind (a chain's link; fx would inline FrozenBatchNorm2d's arithmetic) as leaves."""
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        return type(m).__module__.startswith("opforge.") or super().is_leaf_module(m, qualname)
+        if type(m).__module__.startswith("opforge.") or isinstance(m, batch_norm_kinds()):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+# Opcodes that change state a trace would not replay (an attribute, a global).
+STATE_WRITES = ("STORE_ATTR", "STORE_GLOBAL", "DELETE_")
+
+
+def sets_state(forward) -> bool:
+    """Whether ``forward``'s own code may store an attribute or a global (unknown code: may)."""
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return True
+    return any(i.opname.startswith(STATE_WRITES) for i in dis.get_instructions(code))
+
+
+def trace_or_none(module: torch.nn.Module) -> torch.fx.Graph | None:
+    """The module's graph, or None where fx cannot trace it (control flow) or where tracing could
+    change it: a trace runs the forward of every module it inlines on proxies, and one that stores
+    an attribute (a cache filled on the first call, as a RoI pooler's scales) would keep a proxy."""
+    tracer = Tracer()
+    if any(sets_state(type(m).forward) for m in module.modules() if not tracer.is_leaf_module(m, "")):
+        return None
+    try:
+        return tracer.trace(module)
+    except Exception:  # noqa: BLE001 - whatever the forward raises on proxies
+        return None
 
 
 def find_chains(model: torch.nn.Module) -> list[Chain]:
-    try:
-        graph = Tracer().trace(model)
-    except Exception:  # control flow fx cannot trace: fall back to the Sequential containers
-        return _sequential_chains(model)
-    return _traced_chains(model, graph)
+    # A module registered under two names is no chain's part: only one name would be replaced.
+    registered = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    return _chains_in(model, "", registered)
 
 
-def _traced_chains(model: torch.nn.Module, graph: torch.fx.Graph) -> list[Chain]:
+def _chains_in(module: torch.nn.Module, prefix: str, registered: collections.Counter) -> list[Chain]:
+    graph = trace_or_none(module)
+    if graph is None:  # the children, each on its own
+        chains = _sequential_chains(module, prefix, registered) if isinstance(module, torch.nn.Sequential) else []
+        for name, child in module.named_children():
+            chains += _chains_in(child, f"{prefix}{name}.", registered)
+        return chains
+    return _traced_chains(module, graph, prefix, registered)
+
+
+def _traced_chains(
+    model: torch.nn.Module, graph: torch.fx.Graph, prefix: str, registered: collections.Counter
+) -> list[Chain]:
     calls = collections.Counter(n.target for n in graph.nodes if n.op == "call_module")
+    batch_norms = batch_norm_kinds()
 
     def module_node(node, kind):
-        ok = node is not None and node.op == "call_module" and calls[node.target] == 1
-        return ok and _is(model.get_submodule(node.target), kind)
+        if node is None or node.op != "call_module" or calls[node.target] != 1:
+            return False
+        module = model.get_submodule(node.target)
+        return registered[id(module)] == 1 and _is(module, kind)
 
     def next_of(node):
         users = list(node.users)
@@ -61,31 +115,29 @@ def _traced_chains(model: torch.nn.Module, graph: torch.fx.Graph) -> list[Chain]
             continue
         bn = act = None
         after = next_of(node)
-        if module_node(after, torch.nn.BatchNorm2d):
-            bn, after = after.target, next_of(after)
+        if module_node(after, batch_norms):
+            bn, after = prefix + after.target, next_of(after)
         if module_node(after, ACTIVATIONS):
-            act = after.target
-        chains.append(Chain(node.target, bn, act))
+            act = prefix + after.target
+        chains.append(Chain(prefix + node.target, bn, act))
     return chains
 
 
-def _sequential_chains(model: torch.nn.Module) -> list[Chain]:
-    counts = collections.Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+def _sequential_chains(seq: torch.nn.Sequential, prefix: str, registered: collections.Counter) -> list[Chain]:
+    """The chains among a Sequential's own children, which run in their order."""
+    names = [(prefix + n, m) for n, m in seq.named_children()]
+    batch_norms = batch_norm_kinds()
     chains = []
-    for prefix, seq in model.named_modules():
-        if not isinstance(seq, torch.nn.Sequential):
+    for i, (name, mod) in enumerate(names):
+        if not _is(mod, torch.nn.Conv2d) or registered[id(mod)] != 1:
             continue
-        names = [(f"{prefix}.{n}" if prefix else n, m) for n, m in seq.named_children()]
-        for i, (name, mod) in enumerate(names):
-            if not _is(mod, torch.nn.Conv2d) or counts[id(mod)] != 1:
-                continue
-            bn = act = None
-            j = i + 1
-            if j < len(names) and _is(names[j][1], torch.nn.BatchNorm2d) and counts[id(names[j][1])] == 1:
-                bn, j = names[j][0], j + 1
-            if j < len(names) and isinstance(names[j][1], ACTIVATIONS) and counts[id(names[j][1])] == 1:
-                act = names[j][0]
-            chains.append(Chain(name, bn, act))
+        bn = act = None
+        j = i + 1
+        if j < len(names) and _is(names[j][1], batch_norms) and registered[id(names[j][1])] == 1:
+            bn, j = names[j][0], j + 1
+        if j < len(names) and isinstance(names[j][1], ACTIVATIONS) and registered[id(names[j][1])] == 1:
+            act = names[j][0]
+        chains.append(Chain(name, bn, act))
     return chains
 
 

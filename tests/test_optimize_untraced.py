@@ -1,0 +1,122 @@
+"""opforge.optimize on models fx cannot trace whole, and on torchvision's FrozenBatchNorm2d.
+
+A detection model's forward has control flow; its backbone's blocks trace on
+their own and are optimized like a classifier's. Detection backbones hold
+FrozenBatchNorm2d (fixed statistics and affine): folded in eval mode like
+BatchNorm2d, left alone in training mode (folded, the conv would train
+another weight). Without ``example_inputs`` optimize only folds, which keeps
+these tests quick.
+"""
+
+import pytest
+import torch
+from reference import randomize_batchnorm
+
+import opforge
+from opforge.optimize_fold import folded_weight_and_bias
+
+torchvision = pytest.importorskip("torchvision")
+FrozenBatchNorm2d = torchvision.ops.misc.FrozenBatchNorm2d
+
+
+class _ConvBnRelu(torch.nn.Module):
+    """No Sequential: only a trace of its forward shows the chain."""
+
+    def __init__(self, cin, cout, norm=torch.nn.BatchNorm2d):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn = norm(cout)
+        self.act = torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+class _Untraceable(torch.nn.Module):
+    """Control flow on a tensor's value: fx cannot trace this forward."""
+
+    def __init__(self, norm=torch.nn.BatchNorm2d):
+        super().__init__()
+        self.stem = _ConvBnRelu(3, 8, norm)
+        self.body = torch.nn.ModuleDict({"a": _ConvBnRelu(8, 8, norm), "b": _ConvBnRelu(8, 4, norm)})
+
+    def forward(self, x):
+        x = self.stem(x)
+        if x.mean() > 0:  # fx: a Proxy cannot be used as a bool
+            x = self.body["a"](x)
+        return self.body["b"](x)
+
+
+def _norms(model, kind):
+    return [m for m in model.modules() if isinstance(m, kind)]
+
+
+@pytest.mark.parametrize("norm", [torch.nn.BatchNorm2d, FrozenBatchNorm2d])
+def test_an_untraceable_model_is_optimized_block_by_block(norm):
+    torch.manual_seed(0)
+    model = randomize_batchnorm(_Untraceable(norm)).eval()
+    with pytest.raises(torch.fx.proxy.TraceError):
+        torch.fx.symbolic_trace(model)  # the premise: the model itself does not trace
+    fast, report = opforge.optimize(model, report=True)
+    rows = {row.conv: row for row in report.layers}
+    assert set(rows) == {"stem.conv", "body.a.conv", "body.b.conv"}, str(report)
+    assert all(row.action.startswith("BatchNorm folded") for row in rows.values()), str(report)
+    assert not _norms(fast, norm) and len(_norms(model, norm)) == 3  # the original keeps its own
+    x = torch.rand(2, 3, 12, 12)  # positive: the branch runs
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_frozen_batch_norm_fold_math_is_exact_in_float64():
+    conv = torch.nn.Conv2d(5, 7, 3, padding=1, dtype=torch.float64)
+    bn = randomize_batchnorm(torch.nn.Sequential(FrozenBatchNorm2d(7))).double()[0]
+    x = torch.randn(2, 5, 9, 9, dtype=torch.float64)
+    w, b = folded_weight_and_bias(conv.weight, conv.bias, bn)
+    expected = bn(conv(x))
+    torch.testing.assert_close(torch.nn.functional.conv2d(x, w, b, padding=1), expected, atol=1e-10, rtol=1e-10)
+
+
+def _frozen_resnet18():
+    torch.manual_seed(0)
+    return randomize_batchnorm(torchvision.models.resnet18(num_classes=10, norm_layer=FrozenBatchNorm2d))
+
+
+def test_frozen_batch_norm_resnet_is_folded_in_eval_mode():
+    model = _frozen_resnet18().eval()
+    fast, report = opforge.optimize(model, report=True)
+    assert not _norms(fast, FrozenBatchNorm2d), str(report)  # the residual tails' too
+    assert "FrozenBatchNorm2d" in str(report)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = model(x)
+        torch.testing.assert_close(fast(x), ref, atol=2e-4 * ref.abs().max().item(), rtol=2e-4)
+
+
+def test_frozen_batch_norm_is_left_in_training_mode():
+    model = _frozen_resnet18().train()
+    fast, report = opforge.optimize(model, report=True)
+    frozen_rows = [row for row in report.layers if "FrozenBatchNorm2d" in row.pattern]
+    assert frozen_rows and all(row.action == "left" for row in frozen_rows), str(report)
+    assert all("FrozenBatchNorm2d is folded in eval mode only" in row.reason for row in frozen_rows)
+    assert len(_norms(fast, FrozenBatchNorm2d)) == len(_norms(model, FrozenBatchNorm2d))
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(fast(x).sum(), model(x).sum(), atol=0, rtol=0)
+
+
+def test_detection_backbone_is_reached():
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(
+        "fasterrcnn_mobilenet_v3_large_320_fpn", weights=None, weights_backbone=None, num_classes=3
+    )
+    model = randomize_batchnorm(model).eval()
+    fast, report = opforge.optimize(model, report=True)
+    folded = [row for row in report.layers if row.conv.startswith("backbone.body.") and "folded" in row.action]
+    assert len(folded) >= 40, str(report)  # every conv -> BatchNorm of the mobilenet body
+    assert not _norms(fast.backbone, torch.nn.BatchNorm2d)
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        ref, got = model.backbone(x), fast.backbone(x)
+        for key in ref:
+            scale = ref[key].abs().max().item()
+            torch.testing.assert_close(got[key], ref[key], atol=1e-4 * scale, rtol=1e-4)
+        fast([torch.rand(3, 96, 120)])  # the whole model still runs
