@@ -211,6 +211,31 @@ def test_layers_opforge_has_no_kernel_for_are_left_alone():
         torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("traced", [True, False])
+def test_batch_norm_without_running_statistics_is_kept(training, traced):
+    """It normalizes with the batch's statistics in eval mode too: not folded, not fused; the conv
+    before it is still a candidate of its own."""
+
+    class Untraced(torch.nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) if x.sum() != 0 else x  # fx: a Proxy cannot be a bool
+
+    kind = torch.nn.Sequential if traced else Untraced
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(8, track_running_stats=False)
+    bn.weight.data.uniform_(0.5, 1.5)
+    bn.bias.data.uniform_(-0.5, 0.5)
+    model = kind(torch.nn.Conv2d(3, 8, 3, padding=1), bn, torch.nn.ReLU()).train(training)
+    fast, report = opforge.optimize(model, report=True, force=True)
+    assert fast[1] is not model[1] and type(fast[1]) is torch.nn.BatchNorm2d and type(fast[2]) is torch.nn.ReLU
+    (row,) = report.layers
+    assert row.pattern == "Conv2d(3x3, dense, s1)" and row.action != "left", str(report)
+    x = torch.randn(2, 3, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_shared_activation_is_not_fused():
     class Block(torch.nn.Module):  # one ReLU module used twice, as in torchvision's ResNet
         def __init__(self):

@@ -103,6 +103,20 @@ def test_frozen_batch_norm_is_left_in_training_mode():
     torch.testing.assert_close(fast(x).sum(), model(x).sum(), atol=0, rtol=0)
 
 
+def test_frozen_batch_norm_is_folded_whatever_its_own_mode():
+    """Its output does not depend on ``training``: a FrozenBatchNorm2d built after ``eval()``
+    (a backbone frozen in place) is folded into an eval-mode conv all the same."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
+    model.insert(1, randomize_batchnorm(torch.nn.Sequential(FrozenBatchNorm2d(8)))[0])
+    assert model[1].training and not model[0].training
+    fast, report = opforge.optimize(model, report=True)
+    assert type(fast[1]) is torch.nn.Identity and report.layers[0].action.startswith("BatchNorm folded")
+    x = torch.randn(2, 3, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_detection_backbone_is_reached():
     torch.manual_seed(0)
     model = torchvision.models.get_model(

@@ -71,7 +71,7 @@ from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
 from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
-from .optimize_patterns import Chain, describe_conv, find_chains
+from .optimize_patterns import Chain, describe_conv, find_chains, uses_batch_statistics
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
 from .optimize_squeeze import apply_squeeze_blocks, find_squeeze_blocks
@@ -185,7 +185,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     # folded into the conv where that is not slower.
     kept = (conv, bn) if bn is not None else (conv,)
     target, fold_note = conv, ""
-    if bn is not None and (conv.training or bn.training):
+    if bn is not None and (conv.training or uses_batch_statistics(bn)):
         return _train_chain(model, chain, conv, bn, act, pattern, x if timed else None)
     if bn is not None:
         target = folded_conv(conv, bn)

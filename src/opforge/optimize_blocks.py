@@ -38,7 +38,15 @@ from .nn_conv_batch_norm import BatchNormInConv
 from .nn_prepacked import explicit_padding
 from .nn_residual import ConvResidual
 from .optimize_fold import folded_conv
-from .optimize_patterns import ACTIVATIONS, STATE_WRITES, Tracer, batch_norm_kinds, describe_conv, trace_or_none
+from .optimize_patterns import (
+    ACTIVATIONS,
+    STATE_WRITES,
+    Tracer,
+    batch_norm_kinds,
+    describe_conv,
+    trace_or_none,
+    uses_batch_statistics,
+)
 
 # The activations a residual tail may end with, by opforge's name for them.
 _ACTIVATION_NAMES = {torch.nn.ReLU: "relu", torch.nn.ReLU6: "relu6", torch.nn.Hardswish: "hardswish"}
@@ -308,8 +316,7 @@ def _conv_chain(graph: torch.fx.Graph, node, modules: dict):
         return None
     if conv.training or conv.padding_mode != "zeros" or explicit_padding(conv) is None:
         return None
-    bn = modules[bn_node.target] if bn_node is not None else None
-    if bn is not None and (bn.training or not getattr(bn, "track_running_stats", True)):  # Frozen: has none
+    if bn_node is not None and uses_batch_statistics(modules[bn_node.target]):
         return None
     if bn_node is None and len(node.users) != 1:
         return None

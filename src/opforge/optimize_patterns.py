@@ -35,6 +35,18 @@ def batch_norm_kinds() -> tuple[type, ...]:
     return (torch.nn.BatchNorm2d,) + ((frozen,) if isinstance(frozen, type) else ())
 
 
+def has_running_statistics(bn: torch.nn.Module) -> bool:
+    """A BatchNorm without them (``track_running_stats=False``) normalizes with the batch's in
+    eval mode too: no chain's link, never folded; the conv before it may still be replaced."""
+    return getattr(bn, "running_mean", None) is not None and getattr(bn, "running_var", None) is not None
+
+
+def uses_batch_statistics(bn: torch.nn.Module) -> bool:
+    """Whether the BatchNorm normalizes with the batch's statistics, which folding cannot hold:
+    a training BatchNorm2d, or one without running statistics. FrozenBatchNorm2d never does."""
+    return isinstance(bn, torch.nn.BatchNorm2d) and (bn.training or not has_running_statistics(bn))
+
+
 @dataclasses.dataclass(frozen=True)
 class Chain:
     conv: str  # qualified module names in the model
@@ -115,7 +127,7 @@ def _traced_chains(
             continue
         bn = act = None
         after = next_of(node)
-        if module_node(after, batch_norms):
+        if module_node(after, batch_norms) and has_running_statistics(model.get_submodule(after.target)):
             bn, after = prefix + after.target, next_of(after)
         if module_node(after, ACTIVATIONS):
             act = prefix + after.target
@@ -134,6 +146,9 @@ def _sequential_chains(seq: torch.nn.Sequential, prefix: str, registered: collec
         bn = act = None
         j = i + 1
         if j < len(names) and _is(names[j][1], batch_norms) and registered[id(names[j][1])] == 1:
+            if not has_running_statistics(names[j][1]):
+                chains.append(Chain(name))
+                continue
             bn, j = names[j][0], j + 1
         if j < len(names) and isinstance(names[j][1], ACTIVATIONS) and registered[id(names[j][1])] == 1:
             act = names[j][0]
