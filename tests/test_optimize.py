@@ -236,6 +236,56 @@ def test_batch_norm_without_running_statistics_is_kept(training, traced):
         torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+class _ConvSamePadding(torch.nn.Conv2d):
+    """Pads by the input's size, as TensorFlow's "SAME": what its layer computes is its own."""
+
+    def forward(self, x):
+        pad = [max((-(n // -s) - 1) * s + self.kernel_size[0] - n, 0) for n, s in zip(x.shape[-2:], self.stride)]
+        x = torch.nn.functional.pad(x, [pad[1] // 2, pad[1] - pad[1] // 2, pad[0] // 2, pad[0] - pad[0] // 2])
+        return torch.nn.functional.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class _BatchNormThenReLU(torch.nn.BatchNorm2d):
+    def forward(self, x):
+        return torch.relu(super().forward(x))
+
+
+@pytest.mark.parametrize("force", [True, False])
+def test_subclasses_with_a_forward_of_their_own_are_not_taken_for_torchs(force):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        _ConvSamePadding(4, 8, 3, stride=2),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        _BatchNormThenReLU(8),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+    )
+    model = randomize_batchnorm(model).eval()
+    x = torch.randn(2, 4, 9, 9)
+    kwargs = {"force": True} if force else {"example_inputs": (x,)}
+    fast, report = opforge.optimize(model, report=True, **kwargs)
+    rows = {row.conv: row for row in report.layers}
+    assert rows["0"].action == "left" and "_ConvSamePadding overrides Conv2d's forward" in rows["0"].reason
+    assert type(fast[0]) is _ConvSamePadding and type(fast[1]) is torch.nn.BatchNorm2d
+    assert rows["2"].pattern == "Conv2d(3x3, dense, s1)"  # the BatchNorm with an activation is no link
+    assert type(fast[3]) is _BatchNormThenReLU
+    assert rows["4"].action.startswith("BatchNorm folded") and type(fast[5]) is torch.nn.Identity
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_weight_normed_conv_is_folded_through_its_parametrization():
+    torch.manual_seed(0)
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv2d(4, 8, 3, padding=1))
+    model = randomize_batchnorm(torch.nn.Sequential(conv, torch.nn.BatchNorm2d(8), torch.nn.ReLU())).eval()
+    fast, report = opforge.optimize(model, report=True, force=True)
+    assert report.layers[0].action.startswith("BatchNorm folded"), str(report)
+    x = torch.randn(2, 4, 9, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_shared_activation_is_not_fused():
     class Block(torch.nn.Module):  # one ReLU module used twice, as in torchvision's ResNet
         def __init__(self):

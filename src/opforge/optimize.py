@@ -71,7 +71,7 @@ from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
 from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
-from .optimize_patterns import Chain, describe_conv, find_chains, uses_batch_statistics
+from .optimize_patterns import Chain, describe_conv, find_chains, is_kind, uses_batch_statistics
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
 from .optimize_squeeze import apply_squeeze_blocks, find_squeeze_blocks
@@ -159,11 +159,23 @@ def _replace_layers(out: torch.nn.Module, example_inputs: tuple | None, force: b
     names = [chain.conv for chain in chains] + [tail.name for tail in tails]
     inputs = _layer_inputs(out, names, example_inputs) if example_inputs is not None and not force else {}
     layers = {c.conv: _apply(out, c, inputs.get(c.conv, (None,))[0], measured, force) for c in chains}
+    layers.update(_convs_of_their_own(out, layers))
     layers.update({row.conv: row for row in squeezes})
     layers.update({t.name: apply_tail(out, t, inputs.get(t.name), measured, force) for t in tails})
     restore_unchanged_blocks(out, rewritten, [name for name, layer in layers.items() if layer.action != "left"])
     skip_identity_calls(out, rewritten)
     return layers
+
+
+def _convs_of_their_own(model: torch.nn.Module, layers: dict) -> dict[str, LayerReport]:
+    """Rows for the Conv2d subclasses that override its forward (no chain's part): left, and why."""
+    rows = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv2d) and name not in layers and not type(m).__module__.startswith("opforge."):
+            if not is_kind(m, torch.nn.Conv2d):
+                why = f"{type(m).__name__} overrides Conv2d's forward: what it computes is its own"
+                rows[name] = LayerReport(name, describe_conv(m), "left", why)
+    return rows
 
 
 def _finish(out: torch.nn.Module, layers: dict[str, LayerReport], notes: list[str], report: bool):

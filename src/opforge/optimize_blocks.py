@@ -44,6 +44,7 @@ from .optimize_patterns import (
     Tracer,
     batch_norm_kinds,
     describe_conv,
+    is_kind,
     trace_or_none,
     uses_batch_statistics,
 )
@@ -255,7 +256,7 @@ def _module_of(node, modules: dict, kinds):
     if node is None or node.op != "call_module":
         return None
     m = modules.get(node.target)
-    return m if isinstance(m, kinds) else None
+    return m if m is not None and is_kind(m, kinds) else None
 
 
 def _only_reader(node):

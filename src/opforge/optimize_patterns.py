@@ -150,15 +150,25 @@ def _sequential_chains(seq: torch.nn.Sequential, prefix: str, registered: collec
                 chains.append(Chain(name))
                 continue
             bn, j = names[j][0], j + 1
-        if j < len(names) and isinstance(names[j][1], ACTIVATIONS) and registered[id(names[j][1])] == 1:
+        if j < len(names) and is_kind(names[j][1], ACTIVATIONS) and registered[id(names[j][1])] == 1:
             act = names[j][0]
         chains.append(Chain(name, bn, act))
     return chains
 
 
+def is_kind(module: torch.nn.Module, kinds) -> bool:
+    """``isinstance``, where the module also computes what its kind does: a subclass that overrides
+    ``forward`` (timm's ``Conv2dSame`` pads by the input's size, its ``BatchNormAct2d`` adds an
+    activation) is something else. A parametrized conv (weight norm) runs torch's forward: kept."""
+    for kind in kinds if isinstance(kinds, tuple) else (kinds,):
+        if isinstance(module, kind) and type(module).forward is kind.forward:
+            return kind is not torch.nn.Conv2d or type(module)._conv_forward is torch.nn.Conv2d._conv_forward
+    return False
+
+
 def _is(module: torch.nn.Module, kind) -> bool:
-    """``isinstance``, but opforge's training-mode conv + BatchNorm pair is never a chain again."""
-    return isinstance(module, kind) and not isinstance(module, (ConvBatchNorm2d, BatchNormInConv))
+    """``is_kind``, and opforge's training-mode conv + BatchNorm pair is never a chain again."""
+    return is_kind(module, kind) and not isinstance(module, (ConvBatchNorm2d, BatchNormInConv))
 
 
 def describe_conv(conv: torch.nn.Conv2d) -> str:
