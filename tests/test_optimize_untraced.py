@@ -134,3 +134,40 @@ def test_detection_backbone_is_reached():
             scale = ref[key].abs().max().item()
             torch.testing.assert_close(got[key], ref[key], atol=1e-4 * scale, rtol=1e-4)
         fast([torch.rand(3, 96, 120)])  # the whole model still runs
+
+
+class _OptionalInput(torch.nn.Module):
+    """A forward with an optional argument, as DLA's tree nodes: a trace would pass a proxy for
+    ``skip`` and take the branch of a given one, which calls without it never take."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.relu = torch.nn.ReLU()
+
+    def forward(self, x, skip=None):
+        skip = torch.zeros_like(x) if skip is None else skip
+        return self.relu(self.bn(self.conv(x)) + skip)
+
+
+class _CallsWithAndWithout(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _OptionalInput(), _OptionalInput()
+
+    def forward(self, x):
+        y = self.a(x)
+        return self.b(y, y)
+
+
+def test_a_block_with_optional_arguments_is_not_rewritten_from_a_trace():
+    torch.manual_seed(0)
+    model = randomize_batchnorm(_CallsWithAndWithout()).eval()
+    fast, report = opforge.optimize(model, report=True, force=True)
+    assert type(fast.a) is _OptionalInput and type(fast.b) is _OptionalInput  # not graphs of themselves
+    assert {row.conv for row in report.layers} == {"a.conv", "b.conv"}, str(report)  # found from the model's trace
+    x = torch.randn(2, 8, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast.a(x), model.a(x), atol=1e-5, rtol=1e-5)  # called without skip

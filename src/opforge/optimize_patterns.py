@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import dis
+import inspect
 import sys
 
 import torch
@@ -76,11 +77,25 @@ def sets_state(forward) -> bool:
     return any(i.opname.startswith(STATE_WRITES) for i in dis.get_instructions(code))
 
 
+def _tensor_arguments_only(forward) -> bool:
+    """Whether each of ``forward``'s arguments is positional with no default: a trace passes a proxy
+    for each, and a default's test (``children is None``) would take a branch calls do not."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return all(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
+
+
 def trace_or_none(module: torch.nn.Module) -> torch.fx.Graph | None:
-    """The module's graph, or None where fx cannot trace it (control flow) or where tracing could
-    change it: a trace runs the forward of every module it inlines on proxies, and one that stores
-    an attribute (a cache filled on the first call, as a RoI pooler's scales) would keep a proxy."""
+    """The module's graph, or None where fx cannot trace it (control flow) or where its graph could
+    be wrong or tracing could change it: a forward with optional arguments (see above), or a trace
+    runs the forward of every module it inlines on proxies, and one that stores an attribute (a
+    cache filled on the first call, as a RoI pooler's scales) would keep a proxy."""
     tracer = Tracer()
+    if not _tensor_arguments_only(type(module).forward):
+        return None
     if any(sets_state(type(m).forward) for m in module.modules() if not tracer.is_leaf_module(m, "")):
         return None
     try:
