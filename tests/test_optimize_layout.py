@@ -352,6 +352,20 @@ def test_a_training_model_that_does_not_copy_keeps_nchw(monkeypatch):
     assert "does not copy" in report.notes[0], str(report)
 
 
+@pytest.mark.parametrize("in_channels, tried", [(3, False), (16, True)])
+def test_no_cpu_training_trial_of_a_conv_torch_crashes_on(monkeypatch, in_channels, tried):
+    """torch's CPU weight gradient of a strided 1x1 conv on few channels segfaults in channels_last
+    (timm's repvgg stem): such a training model is never run channels_last to time it."""
+    timings(monkeypatch, 5.0, 10.0)  # channels_last would be taken
+    model = torch.nn.Sequential(torch.nn.Conv2d(in_channels, 8, 1, stride=2), torch.nn.ReLU()).train()
+    x = torch.randn(2, in_channels, 8, 8)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert optimize_layout.has_channels_last_hooks(fast) == tried, str(report)
+    if not tried:
+        assert "NCHW kept: torch's CPU backward of a strided 1x1 conv" in report.notes[0] and "(0)" in report.notes[0]
+        assert optimize_layout.has_channels_last_hooks(opforge.optimize(model.eval(), example_inputs=(x,)))
+
+
 def test_training_choice_times_forward_and_backward(monkeypatch):
     """The timed call of a training model runs its backward (gradients appear, then are dropped)."""
     monkeypatch.setattr(optimize_layout, "_timings", {})

@@ -259,6 +259,17 @@ def _with_folded_weights_copied(model: torch.nn.Module) -> torch.nn.Module:
     return inside
 
 
+def _conv_whose_cpu_backward_crashes(model: torch.nn.Module) -> str | None:
+    """The name of a conv whose weight gradient torch 2.14's CPU kernels compute out of bounds in
+    channels_last (a segfault with 3-15 input channels, 1x1, stride 2, 96x96 or 224x224 inputs; 16
+    channels ran): timm's repvgg stem. Not run at all rather than taken down with the process."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (1, 1) and m.stride != (1, 1):
+            if m.in_channels // m.groups < 16 and m.weight.requires_grad:
+                return name
+    return None
+
+
 def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple[bool, str]:
     """Install the hooks on ``model`` where they pay (see the module's docs); (installed, why)."""
     if has_channels_last_hooks(model):
@@ -267,6 +278,13 @@ def choose_channels_last(model: torch.nn.Module, example_inputs: tuple) -> tuple
     if not batches:
         return False, ""
     device = batches[0].device
+    if model.training and device.type == "cpu":
+        crashing = _conv_whose_cpu_backward_crashes(model)
+        if crashing:
+            return False, (
+                f"NCHW kept: torch's CPU backward of a strided 1x1 conv on fewer than 16 input channels "
+                f"({crashing}) can crash in channels_last"
+            )
     # A training model is timed as a copy: its steps change BatchNorm statistics and gradients.
     try:
         probe = copy.deepcopy(model) if model.training else model
