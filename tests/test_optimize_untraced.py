@@ -171,3 +171,74 @@ def test_a_block_with_optional_arguments_is_not_rewritten_from_a_trace():
     with torch.no_grad():
         torch.testing.assert_close(fast(x), model(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fast.a(x), model.a(x), atol=1e-5, rtol=1e-5)  # called without skip
+
+
+class _ReachesIn(torch.nn.Module):
+    """An untraceable parent that also calls its child's conv on its own: folding the child's
+    BatchNorm into that conv would change the parent's second call."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _ConvBnRelu(4, 4)
+        self.head = torch.nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        y = self.inner(x)
+        if y.mean() > 0:
+            y = y + self.inner.conv(x)
+        return self.head(y)
+
+
+class _PassesNone(torch.nn.Module):
+    """Calls a two-argument block with None: a trace of the block alone would take the other branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _TwoArguments()
+
+    def forward(self, x):
+        return self.block(x, None) if x.mean() > -100 else x
+
+
+class _TwoArguments(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.relu = torch.nn.ReLU()
+
+    def forward(self, x, skip):
+        y = self.bn(self.conv(x))
+        return self.relu(y) - y if skip is None else self.relu(y) + skip
+
+
+class _LoopsOverLevels(torch.nn.Module):
+    """A detection head: one conv applied to each level of a list (fx cannot iterate a proxy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tower = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.ReLU())
+        self.logits = torch.nn.Conv2d(4, 3, 3, padding=1)
+        torch.nn.init.normal_(self.logits.weight, std=0.01)  # __init__ reads the layer: no use at run time
+
+    def forward(self, levels):
+        return [self.logits(self.tower(x)) for x in levels]
+
+
+@pytest.mark.parametrize("model_class", [_ReachesIn, _PassesNone, _LoopsOverLevels])
+def test_untraceable_parents_keep_their_outputs(model_class):
+    torch.manual_seed(0)
+    model = randomize_batchnorm(model_class()).eval()
+    x = torch.rand(2, 4, 8, 8)  # positive: _ReachesIn's branch runs
+    args = ([x, x[:, :, :4, :4]],) if model_class is _LoopsOverLevels else (x,)
+    fast, report = opforge.optimize(model, report=True, force=True)
+    rows = {row.conv: row for row in report.layers}
+    if model_class is _ReachesIn:
+        assert "inner.conv" not in rows and type(fast.inner.bn) is torch.nn.BatchNorm2d, str(report)
+    if model_class is _PassesNone:
+        assert rows["block.conv"].pattern == "Conv2d(3x3, dense, s1)", str(report)  # the conv alone
+        assert type(fast.block) is _TwoArguments  # not a graph of its given-skip branch
+    if model_class is _LoopsOverLevels:
+        assert set(rows) == {"tower.0", "logits"} and rows["logits"].action != "left", str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(*args), model(*args), atol=1e-5, rtol=1e-5)

@@ -18,6 +18,7 @@ import dataclasses
 import dis
 import inspect
 import sys
+import types
 
 import torch
 
@@ -62,6 +63,8 @@ class Tracer(torch.fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if type(m).__module__.startswith("opforge.") or isinstance(m, batch_norm_kinds()):
             return True
+        if is_kind(m, (torch.nn.Conv2d, *ACTIVATIONS)):  # a subclass that keeps torch's forward
+            return True
         return super().is_leaf_module(m, qualname)
 
 
@@ -71,30 +74,35 @@ STATE_WRITES = ("STORE_ATTR", "STORE_GLOBAL", "DELETE_")
 
 def sets_state(forward) -> bool:
     """Whether ``forward``'s own code may store an attribute or a global (unknown code: may)."""
-    code = getattr(forward, "__code__", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None)  # a decorator's wrapper: the code it wraps
     if code is None:
         return True
     return any(i.opname.startswith(STATE_WRITES) for i in dis.get_instructions(code))
 
 
-def _tensor_arguments_only(forward) -> bool:
-    """Whether each of ``forward``'s arguments is positional with no default: a trace passes a proxy
-    for each, and a default's test (``children is None``) would take a branch calls do not."""
+def _tensor_arguments_only(forward, root: bool) -> bool:
+    """Whether a trace sees ``forward``'s arguments as its calls pass them. A trace passes a proxy
+    for each, so a test of one (``skip is None``) takes the branch of a given tensor: a default
+    (DLA's tree nodes), or a submodule's second argument that its parent may pass as None, would
+    give a graph of a branch some calls do not take. The model itself gets its example inputs'
+    arguments; a submodule traced on its own must take one tensor."""
     try:
         params = list(inspect.signature(forward).parameters.values())[1:]  # after self
     except (TypeError, ValueError):
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return all(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
+    plain = all(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
+    return plain and (root or len(params) == 1)
 
 
-def trace_or_none(module: torch.nn.Module) -> torch.fx.Graph | None:
+def trace_or_none(module: torch.nn.Module, root: bool = False) -> torch.fx.Graph | None:
     """The module's graph, or None where fx cannot trace it (control flow) or where its graph could
-    be wrong or tracing could change it: a forward with optional arguments (see above), or a trace
-    runs the forward of every module it inlines on proxies, and one that stores an attribute (a
-    cache filled on the first call, as a RoI pooler's scales) would keep a proxy."""
+    be wrong or tracing could change it: arguments a trace would not see as calls pass them (see
+    above), or a trace runs the forward of every module it inlines on proxies, and one that stores
+    an attribute (a cache filled on the first call, as a RoI pooler's scales) would keep a proxy.
+    ``root``: the model itself, called with the example inputs."""
     tracer = Tracer()
-    if not _tensor_arguments_only(type(module).forward):
+    if not _tensor_arguments_only(type(module).forward, root):
         return None
     if any(sets_state(type(m).forward) for m in module.modules() if not tracer.is_leaf_module(m, "")):
         return None
@@ -111,13 +119,72 @@ def find_chains(model: torch.nn.Module) -> list[Chain]:
 
 
 def _chains_in(module: torch.nn.Module, prefix: str, registered: collections.Counter) -> list[Chain]:
-    graph = trace_or_none(module)
-    if graph is None:  # the children, each on its own
-        chains = _sequential_chains(module, prefix, registered) if isinstance(module, torch.nn.Sequential) else []
-        for name, child in module.named_children():
+    if prefix and _is(module, torch.nn.Conv2d):  # a conv its untraceable parent calls: a chain of its own
+        return [Chain(prefix[:-1])] if registered[id(module)] == 1 else []
+    graph = trace_or_none(module, root=not prefix)
+    if graph is not None:
+        return _traced_chains(module, graph, prefix, registered)
+    # The children, each on its own; a Sequential running torch's forward calls them in order.
+    in_order = isinstance(module, torch.nn.Sequential) and type(module).forward is torch.nn.Sequential.forward
+    chains = _sequential_chains(module, prefix, registered) if in_order else []
+    opened = _opened_children(module)
+    covered = {name for chain in chains for name in (chain.conv, chain.bn, chain.act) if name}
+    for name, child in module.named_children():
+        if name not in opened and prefix + name not in covered:
             chains += _chains_in(child, f"{prefix}{name}.", registered)
-        return chains
-    return _traced_chains(module, graph, prefix, registered)
+    return chains
+
+
+def _opened_children(module: torch.nn.Module) -> set[str]:
+    """The children whose own attributes the module's code reads (``self.inner.conv(x)``,
+    ``self.blocks[0].bn``): their layers are used from outside their own forward, where no trace of
+    theirs sees it, so no chain is looked for inside them."""
+    # Per child: the names of its own layers and tensors, and those of its items (a container's).
+    children = {
+        name: (_state_names(child), set().union(*map(_state_names, child.children())))
+        for name, child in module.named_children()
+    }
+    opened: set[str] = set()
+    for klass in type(module).__mro__:
+        if klass.__module__.split(".")[0] == "torch" or klass is object:
+            continue
+        for key, value in vars(klass).items():
+            if key == "__init__":  # builds the layers (sets their weights); runs before optimize
+                continue
+            code = getattr(inspect.unwrap(value), "__code__", None) if callable(value) else None
+            if code is not None and code.co_argcount:
+                _scan_for_opened(code, code.co_varnames[0], children, opened)
+    return opened
+
+
+_ATTRIBUTE_LOADS = ("LOAD_ATTR", "LOAD_METHOD")
+
+
+def _state_names(module: torch.nn.Module) -> set[str]:
+    return set(module._modules) | set(module._parameters) | set(module._buffers)
+
+
+def _scan_for_opened(code: types.CodeType, self_name: str, children: dict, opened: set[str]) -> None:
+    """``self_name``: the method's first argument (a closure's cell in its comprehensions)."""
+    ops = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "EXTENDED_ARG", "NOP")]
+    for k in range(len(ops) - 2):
+        first, child = ops[k], ops[k + 1]
+        if not (first.opname.startswith(("LOAD_FAST", "LOAD_DEREF")) and first.argval == self_name):
+            continue
+        if child.opname not in _ATTRIBUTE_LOADS or child.argval not in children:
+            continue
+        own, items = children[child.argval]
+        after = ops[k + 2 : k + 6]
+        if after[0].opname in _ATTRIBUTE_LOADS and after[0].argval in own:  # self.child.layer (not a method)
+            opened.add(child.argval)
+        subscript = next((j for j, op in enumerate(after[:3]) if op.opname == "BINARY_SUBSCR"), None)
+        if subscript is not None and subscript + 1 < len(after):
+            then = after[subscript + 1]
+            if then.opname in _ATTRIBUTE_LOADS and then.argval in items:  # self.child[key].layer
+                opened.add(child.argval)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _scan_for_opened(const, self_name, children, opened)
 
 
 def _traced_chains(
