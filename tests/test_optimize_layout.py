@@ -117,6 +117,21 @@ def test_second_look_with_opforge_layers_can_take_channels_last(monkeypatch, dev
     assert optimize_layout.has_channels_last_hooks(again)
 
 
+def test_no_second_look_where_no_layer_is_opforges(monkeypatch):
+    """A model optimize leaves whole (a reflect-padded conv) is in channels_last the model the first
+    choice timed: a second timing of it would only measure noise, and does not run."""
+    timings(monkeypatch, 10.0, 10.0, optimized=(5.0, 10.0))
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+    model = torch.nn.Sequential(conv, torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
+    assert [row.action for row in report.layers] == ["left"], str(report)
+    assert not optimize_layout.has_channels_last_hooks(fast)
+    assert report.notes[1] == "NCHW kept: no layer of the model is opforge's in channels_last either", str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_second_look_times_each_layouts_layers_on_that_layout(monkeypatch, inplace):
     """The two optimized models of the second look have their layers timed and chosen on the inputs

@@ -329,16 +329,23 @@ def _train_conv_alone(model, chain: Chain, conv, act, pattern: str, x: torch.Ten
 
 
 def _layer_inputs(model: torch.nn.Module, names: list[str], example_inputs: tuple) -> dict[str, tuple]:
-    """Each named layer's positional inputs when the model runs ``example_inputs`` (the first call's).
+    """Each named layer's positional inputs when the model runs ``example_inputs``: of a layer's
+    calls, the one with the largest first input (a head shared by the levels of a feature pyramid
+    spends most of its time on the largest; an encoder called on two images sees one shape).
 
     The run is in eval mode, so that it changes no BatchNorm statistics; the
     modules' own modes are restored after it."""
     seen: dict[str, tuple] = {}
     hooks = []
+
+    def size(args: tuple) -> int:
+        return args[0].numel() if args and isinstance(args[0], torch.Tensor) else 0
+
     for name in names:
 
         def hook(module, args, name=name):
-            seen.setdefault(name, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args))
+            if name not in seen or size(args) > size(seen[name]):
+                seen[name] = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
         hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
     modes = [(m, m.training) for m in model.modules()]

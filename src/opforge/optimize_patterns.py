@@ -2,9 +2,10 @@
 
 A chain links modules that run one after the other on one tensor: the conv's
 output is read only by the BatchNorm, the BatchNorm's only by the
-activation, and each module is called once in the whole model (a module
-shared by two places, such as torchvision ResNet's ``self.relu``, is never
-replaced). The order comes from a ``torch.fx`` trace of the model. Where
+activation, in every call of the conv, and the BatchNorm and activation are
+called nowhere else (a module shared by two places, such as torchvision
+ResNet's ``self.relu``, is never replaced; an encoder called on two images
+is a chain, since each of its calls runs the whole chain). The order comes from a ``torch.fx`` trace of the model. Where
 a module does not trace (a detection model's control flow), each of its
 children is traced on its own, down to the submodules that do; an
 ``nn.Sequential`` that does not trace is read in the order of its children,
@@ -190,30 +191,39 @@ def _scan_for_opened(code: types.CodeType, self_name: str, children: dict, opene
 def _traced_chains(
     model: torch.nn.Module, graph: torch.fx.Graph, prefix: str, registered: collections.Counter
 ) -> list[Chain]:
-    calls = collections.Counter(n.target for n in graph.nodes if n.op == "call_module")
+    calls: dict[str, list[torch.fx.Node]] = collections.defaultdict(list)  # in the order of first calls
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target].append(node)
     batch_norms = batch_norm_kinds()
 
-    def module_node(node, kind):
-        if node is None or node.op != "call_module" or calls[node.target] != 1:
-            return False
-        module = model.get_submodule(node.target)
+    def of_kind(target, kind):
+        module = model.get_submodule(target)
         return registered[id(module)] == 1 and _is(module, kind)
 
     def next_of(node):
         users = list(node.users)
         return users[0] if len(users) == 1 and users[0].args[:1] == (node,) else None
 
+    def following(nodes):
+        """The module every one of ``nodes`` hands its output to alone, where that module is called
+        nowhere else (a shared encoder called on two images is a chain in both calls); else None."""
+        after = [next_of(node) for node in nodes]
+        if any(a is None or a.op != "call_module" for a in after) or len({a.target for a in after}) != 1:
+            return None
+        return after[0].target if len(calls[after[0].target]) == len(nodes) else None
+
     chains = []
-    for node in graph.nodes:
-        if not module_node(node, torch.nn.Conv2d):
+    for target, nodes in calls.items():
+        if not of_kind(target, torch.nn.Conv2d):
             continue
         bn = act = None
-        after = next_of(node)
-        if module_node(after, batch_norms) and has_running_statistics(model.get_submodule(after.target)):
-            bn, after = prefix + after.target, next_of(after)
-        if module_node(after, ACTIVATIONS):
-            act = prefix + after.target
-        chains.append(Chain(prefix + node.target, bn, act))
+        after = following(nodes)
+        if after and of_kind(after, batch_norms) and has_running_statistics(model.get_submodule(after)):
+            bn, after = after, following(calls[after])
+        if after and of_kind(after, ACTIVATIONS):
+            act = after
+        chains.append(Chain(prefix + target, bn and prefix + bn, act and prefix + act))
     return chains
 
 
