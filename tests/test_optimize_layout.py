@@ -497,3 +497,14 @@ def test_traced_on_cuda_the_hooks_leave_the_layout_to_inductor():
     assert torch.compile(hooked, backend="eager", fullgraph=True)(x) == (True, True)
     cpu = torch.randn(2, 3, 8, 8)
     assert torch.compile(hooked, backend="eager", fullgraph=True)(cpu) == (False, True)  # the CPU keeps them
+
+
+def test_outputs_compare_by_the_strides_that_order_memory():
+    """A [1, C, 1, 1] output is contiguous in both layouts whatever its size-1 strides say (a
+    channels_last conv gives strides (C, 1, C, C))."""
+    nchw = torch.randn(1, 8, 1, 1)
+    other_strides = nchw.as_strided(nchw.shape, (8, 1, 8, 8))
+    assert nchw.stride() != other_strides.stride()
+    assert optimize_layout._same(nchw, other_strides)
+    plane = torch.randn(1, 8, 2, 2)
+    assert not optimize_layout._same(plane, plane.contiguous(memory_format=torch.channels_last))

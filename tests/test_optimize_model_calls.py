@@ -170,3 +170,67 @@ def test_a_layer_called_on_several_shapes_is_timed_on_the_largest():
 
     inputs = _layer_inputs(Pyramid(), ["head"], (torch.randn(1, 4, 16, 16),))
     assert inputs["head"][0].shape == (1, 4, 16, 16)
+
+
+class _ListOfImages(torch.nn.Module):
+    """As a detection model: a list of 3-d images in, batched into one NCHW tensor for the backbone."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU6(),
+        )
+        self.head = torch.nn.Conv2d(8, 2, 1)
+
+    def forward(self, images: list[torch.Tensor]):
+        features = self.backbone(torch.stack(images))
+        return {"scores": self.head(features).flatten(1).sigmoid(), "features": features}
+
+
+def _mocked_layout_timings(monkeypatch, pairs):
+    from opforge import optimize_layout
+
+    pairs = iter(pairs)
+    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: next(pairs))
+    monkeypatch.setattr(optimize_layout, "_timings", {})
+
+
+def test_the_part_that_takes_the_batch_gets_the_layout_choice(monkeypatch):
+    """Channels_last measured faster for the backbone alone, and the backbone so optimized faster
+    than as optimized inside the model: the backbone runs channels_last inside, its outputs back in
+    NCHW, and the report's rows for its layers are those of its own optimization."""
+    from opforge.optimize_layout import has_channels_last_hooks
+
+    _mocked_layout_timings(monkeypatch, [(5.0, 10.0), (5.0, 10.0)])
+    torch.manual_seed(0)
+    model = randomize_batchnorm(_ListOfImages()).eval()
+    images = [torch.randn(3, 12, 12) for _ in range(2)]
+    fast, report = opforge.optimize(model, example_inputs=(images,), report=True)
+    assert has_channels_last_hooks(fast.backbone) and not has_channels_last_hooks(fast), str(report)
+    assert not has_channels_last_hooks(model.backbone)
+    assert any(note.startswith("backbone (takes the model's NCHW batch) optimized") for note in report.notes)
+    assert {"backbone.0", "backbone.3", "head"} == {row.conv for row in report.layers}, str(report)
+    with torch.no_grad():
+        expected, actual = model(images), fast(images)
+    for key in expected:
+        _close(actual[key], expected[key])
+        assert actual[key].is_contiguous()
+
+
+def test_the_part_stays_as_optimized_inside_where_that_is_as_fast(monkeypatch):
+    from opforge.optimize_layout import has_channels_last_hooks
+
+    _mocked_layout_timings(monkeypatch, [(5.0, 10.0), (10.0, 10.0)])
+    torch.manual_seed(0)
+    model = randomize_batchnorm(_ListOfImages()).eval()
+    images = [torch.randn(3, 12, 12) for _ in range(2)]
+    fast, report = opforge.optimize(model, example_inputs=(images,), report=True)
+    assert not has_channels_last_hooks(fast.backbone), str(report)
+    assert any("as a model of its own: NCHW kept" in note for note in report.notes), str(report)
+    with torch.no_grad():
+        _close(fast(images)["scores"], model(images)["scores"])
