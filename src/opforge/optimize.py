@@ -49,9 +49,8 @@ trace):
   conv whose weight is NCHW runs as a ``PrepackedConv2d``, which hands cuDNN
   a channels_last copy of its weight made once, not per call.
 - An eval-mode model whose inputs hold no NCHW batch (a detection model
-  takes a list of images) has the part that takes one (its backbone)
-  optimized as a model of its own too, layout included (``optimize_part``),
-  kept where that times faster than the part as optimized inside it.
+  takes a list of images) has that choice made for the part that takes one
+  (its backbone: ``optimize_part``), before its layers are timed.
 - Under ``torch.compile`` (and export) a replaced layer is traced as
   opforge's op only where that op is also faster than what inductor makes of
   torch's conv (the conv, then its bias and activation fused into one pass);
@@ -75,7 +74,7 @@ from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
 from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
-from .optimize_part import find_part, optimize_alone
+from .optimize_part import choose_part_layout
 from .optimize_patterns import Chain, describe_conv, find_chains, is_kind, uses_batch_statistics
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
@@ -115,14 +114,11 @@ def optimize(
         layers = _replace_layers(out, example_inputs, force)
         return _finish(out, layers, notes, report)
     # Before any layer is replaced: the layers are then timed on the layout they will see.
-    part = find_part(out, example_inputs)
+    notes += choose_part_layout(out, example_inputs)
     installed, why = choose_channels_last(out, example_inputs)
     notes += [why] if why else []
     if installed or not second_look_applies(out, why):
-        layers = _replace_layers(out, example_inputs, force)
-        if part is not None:
-            optimize_alone(part, out, optimize, layers, notes)
-        return _finish(out, layers, notes, report)
+        return _finish(out, _replace_layers(out, example_inputs, force), notes, report)
     # An eval-mode model that kept NCHW: optimized both ways, the faster whole model kept.
     return _finish(*_both_layouts(out, example_inputs, inplace, notes), notes, report)
 
