@@ -388,6 +388,33 @@ def test_weight_caches_let_go_of_a_weight_that_dies():
     assert nn_prepacked_ops.channels_last_weight(x, other) is not other
 
 
+def test_a_layer_called_on_several_shapes_reorders_its_weight_once_per_shape(monkeypatch):
+    """A head shared by the levels of a feature pyramid alternates input shapes: each shape's
+    reordered weight is kept (a few per weight), not made again on every call; an in-place change
+    of the weight drops them all."""
+    if not onednn_runs(torch.float32):
+        pytest.skip("oneDNN does not run here")
+    made = []
+    pack = nn_prepacked_ops.pack
+    monkeypatch.setattr(nn_prepacked_ops, "pack", lambda *args: made.append(args[1].shape) or pack(*args))
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1).eval()
+    layer = opforge.nn.PrepackedConv2d.from_conv(conv)
+    shapes = [(1, 4, 16, 16), (1, 4, 8, 8), (1, 4, 4, 4)]
+    with torch.no_grad():
+        for _ in range(3):
+            for shape in shapes:
+                x = torch.randn(shape)
+                torch.testing.assert_close(layer(x), conv(x), atol=1e-5, rtol=1e-5)
+        assert made == [torch.Size(s) for s in shapes]
+        for shape in [(1, 4, 5, 5), (1, 4, 6, 6), (1, 4, 16, 16)]:  # the oldest beyond four is dropped
+            layer(torch.randn(shape))
+        assert len(made) == 6
+        layer.weight.mul_(2.0)
+        x = torch.randn(shapes[0])
+        torch.testing.assert_close(layer(x), torch.nn.functional.conv2d(x, layer.weight, layer.bias, padding=1))
+    assert len(made) == 7
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("activation", [None, "relu", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

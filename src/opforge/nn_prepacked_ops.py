@@ -48,8 +48,12 @@ class _ByWeight:
             del self._entries[id(weight)]
 
 
-# weight -> (what the reordering depends on, the reordered weight); one tuple, replaced whole.
+# weight -> (its data_ptr and version, [(what else the reordering depends on, the reordered weight)]),
+# the latest use last: a layer called on several shapes (a head shared by the levels of a feature
+# pyramid, an encoder given images of two sizes) keeps one per shape, a few at most, rather than
+# reordering its weight on every call.
 _PACKED = _ByWeight()
+_SHAPES_PER_WEIGHT = 4
 
 
 def pack(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilation, groups: int) -> torch.Tensor:
@@ -60,24 +64,33 @@ def pack(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilation, group
 
 
 def packed_weight(weight: torch.Tensor, x: torch.Tensor, stride, padding, dilation, groups: int) -> torch.Tensor:
-    """``pack``, cached for ``weight`` until its data, its version (bumped by every in-place change),
-    the input's per-sample shape or the conv's settings change. An inference tensor has no version
-    counter, so a change could not be seen: it is reordered on every call."""
+    """``pack``, cached for ``weight`` until its data or its version (bumped by every in-place
+    change) changes, per input's per-sample shape and conv settings. An inference tensor has no
+    version counter, so a change could not be seen: it is reordered on every call."""
     if weight.is_inference():
         return pack(weight, x, stride, padding, dilation, groups)
     # Compared, never hashed: the callers' tuples and lists are read as they are (a layer's are tuples).
-    key = (weight.data_ptr(), weight._version, x.shape[1:], stride, padding, dilation, groups)
+    version, key = (weight.data_ptr(), weight._version), (x.shape[1:], stride, padding, dilation, groups)
     entry = _PACKED.get(weight)
-    if entry is None or entry[0] != key:
-        entry = (key, pack(weight, x, stride, padding, dilation, groups))
+    if entry is None or entry[0] != version:
+        entry = (version, [])
         _PACKED.put(weight, entry)
-    return entry[1]
+    uses = entry[1]
+    for i, (used, packed) in enumerate(uses):
+        if used == key:
+            if i != len(uses) - 1:
+                uses.append(uses.pop(i))
+            return packed
+    if len(uses) == _SHAPES_PER_WEIGHT:
+        del uses[0]
+    uses.append((key, pack(weight, x, stride, padding, dilation, groups)))
+    return uses[-1][1]
 
 
 def cached(weight: torch.Tensor) -> torch.Tensor | None:
-    """The reordered copy cached for ``weight``, if any."""
+    """The reordered copy cached for ``weight`` by its latest call, if any."""
     entry = _PACKED.get(weight)
-    return None if entry is None else entry[1]
+    return None if entry is None or not entry[1] else entry[1][-1][1]
 
 
 # weight -> (its data_ptr, its version, its channels_last copy).
