@@ -237,3 +237,36 @@ def test_no_part_for_a_model_that_takes_its_batch():
     model = _TwoImages().eval()
     assert find_part(model, _two_images()) is None
     assert find_part(model.train(), ([torch.randn(3, 8, 8)],)) is None
+
+
+class _ReadsItsLayers(torch.nn.Module):
+    """The forward reads a BatchNorm's weight and a conv's weight itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.act = torch.nn.ReLU()
+        self.scaled = torch.nn.Conv2d(4, 4, 1)
+        self.bn2 = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.act(self.bn(self.conv(x))) * self.bn.weight.view(1, -1, 1, 1)
+        return self.bn2(self.scaled(y)) + self.scaled.weight.sum()
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_layers_whose_tensors_the_forward_reads_are_left(training):
+    """The first conv, whose weight nothing else reads, may still be replaced on its own."""
+    from opforge.optimize_patterns import Chain, find_chains
+
+    model = randomize_batchnorm(_ReadsItsLayers()).train(training)
+    assert find_chains(model) == [Chain("conv")]
+    x = torch.randn(2, 3, 8, 8)
+    fast, report = opforge.optimize(model, force=True, report=True)
+    assert [row.conv for row in report.replaced] == ["conv"], str(report)
+    assert type(fast.bn) is torch.nn.BatchNorm2d and type(fast.scaled) is torch.nn.Conv2d
+    torch.manual_seed(1)
+    expected = model(x)
+    torch.manual_seed(1)
+    _close(fast(x), expected)

@@ -196,10 +196,13 @@ def _traced_chains(
         if node.op == "call_module":
             calls[node.target].append(node)
     batch_norms = batch_norm_kinds()
+    # Modules whose parameters or buffers the forward reads itself (``self.bn.weight``): folded or
+    # replaced, they would hand it other values, or none (an Identity has no weight).
+    read = {node.target.rpartition(".")[0] for node in graph.nodes if node.op == "get_attr"}
 
     def of_kind(target, kind):
         module = model.get_submodule(target)
-        return registered[id(module)] == 1 and _is(module, kind)
+        return registered[id(module)] == 1 and target not in read and _is(module, kind)
 
     def next_of(node):
         users = list(node.users)
