@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from layout_timings import mocked_layout_timings
 from reference import randomize_batchnorm, saved_and_loaded
 
 import opforge
@@ -20,9 +21,7 @@ torchvision = pytest.importorskip("torchvision")
 def timings(monkeypatch, inside_us: float, nchw_us: float, optimized: tuple[float, float] | None = None):
     """Make the model-level timing say channels_last inside takes inside_us, NCHW nchw_us; and, where
     a CPU eval model keeps NCHW, the optimized model's second look ``optimized`` (the same by default)."""
-    pairs = iter([(inside_us, nchw_us), optimized or (inside_us, nchw_us)])
-    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: next(pairs))
-    monkeypatch.setattr(optimize_layout, "_timings", {})  # no choice cached by an earlier test
+    mocked_layout_timings(monkeypatch, [(inside_us, nchw_us), optimized or (inside_us, nchw_us)])
 
 
 def test_the_choice_is_made_once_per_architecture(monkeypatch):
@@ -204,9 +203,7 @@ def test_the_choice_is_cached_per_module_settings():
 
 
 def test_no_second_look_in_training(monkeypatch):
-    pairs = iter([(10.0, 10.0)])
-    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: next(pairs))
-    monkeypatch.setattr(optimize_layout, "_timings", {})
+    mocked_layout_timings(monkeypatch, [(10.0, 10.0)])
     model = randomize_batchnorm(torchvision.models.resnet18(num_classes=10)).train()
     fast, report = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),), report=True)
     assert not optimize_layout.has_channels_last_hooks(fast)

@@ -9,6 +9,7 @@ two images and returns a list of flow estimates, one per refinement step.
 
 import pytest
 import torch
+from layout_timings import mocked_layout_timings
 from reference import randomize_batchnorm
 
 import opforge
@@ -198,14 +199,6 @@ class _ListOfImages(torch.nn.Module):
         return {"scores": self.head(features).flatten(1).sigmoid(), "features": features, "stem": stem}
 
 
-def _mocked_layout_timings(monkeypatch, pairs):
-    from opforge import optimize_layout
-
-    pairs = iter(pairs)
-    monkeypatch.setattr(optimize_layout, "_interleaved_us", lambda *args, **kwargs: next(pairs))
-    monkeypatch.setattr(optimize_layout, "_timings", {})
-
-
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_part_that_takes_the_batch_gets_the_layout_choice(monkeypatch, faster):
     """Where channels_last measures faster for the backbone on the batch it gets, the backbone runs
@@ -214,7 +207,7 @@ def test_the_part_that_takes_the_batch_gets_the_layout_choice(monkeypatch, faste
     included."""
     from opforge.optimize_layout import has_channels_last_hooks
 
-    _mocked_layout_timings(monkeypatch, [(5.0, 10.0) if faster else (10.0, 10.0)])
+    mocked_layout_timings(monkeypatch, [(5.0, 10.0) if faster else (10.0, 10.0)])
     torch.manual_seed(0)
     model = randomize_batchnorm(_ListOfImages()).eval()
     images = [torch.randn(3, 12, 12) for _ in range(2)]

@@ -65,6 +65,7 @@ by layer, what was replaced and why the rest was left.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
@@ -75,7 +76,15 @@ from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_com
 from .optimize_fold import as_installed, folded_conv
 from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
 from .optimize_part import choose_part_layout
-from .optimize_patterns import Chain, describe_conv, find_chains, is_kind, uses_batch_statistics
+from .optimize_patterns import (
+    Chain,
+    describe_conv,
+    find_chains,
+    is_kind,
+    is_opforge_layer,
+    run_watched,
+    uses_batch_statistics,
+)
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
 from .optimize_squeeze import apply_squeeze_blocks, find_squeeze_blocks
@@ -176,7 +185,7 @@ def _convs_of_their_own(model: torch.nn.Module, layers: dict) -> dict[str, Layer
     """Rows for the Conv2d subclasses that override its forward (no chain's part): left, and why."""
     rows = {}
     for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Conv2d) and name not in layers and not type(m).__module__.startswith("opforge."):
+        if isinstance(m, torch.nn.Conv2d) and name not in layers and not is_opforge_layer(m):
             if not is_kind(m, torch.nn.Conv2d):
                 why = f"{type(m).__name__} overrides Conv2d's forward: what it computes is its own"
                 rows[name] = LayerReport(name, describe_conv(m), "left", why)
@@ -334,34 +343,20 @@ def _train_conv_alone(model, chain: Chain, conv, act, pattern: str, x: torch.Ten
 
 
 def _layer_inputs(model: torch.nn.Module, names: list[str], example_inputs: tuple) -> dict[str, tuple]:
-    """Each named layer's positional inputs when the model runs ``example_inputs``: of a layer's
-    calls, the one with the largest first input (a head shared by the levels of a feature pyramid
-    spends most of its time on the largest; an encoder called on two images sees one shape).
-
-    The run is in eval mode, so that it changes no BatchNorm statistics; the
-    modules' own modes are restored after it."""
+    """Each named layer's positional inputs when the model runs ``example_inputs`` (in eval mode):
+    of a layer's calls, the one with the largest first input (a head shared by the levels of a
+    feature pyramid spends most of its time on the largest; an encoder called on two images sees
+    one shape)."""
     seen: dict[str, tuple] = {}
-    hooks = []
 
     def size(args: tuple) -> int:
         return args[0].numel() if args and isinstance(args[0], torch.Tensor) else 0
 
-    for name in names:
+    def keep(name, module, args, kwargs):
+        if name not in seen or size(args) > size(seen[name]):
+            seen[name] = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
-        def hook(module, args, name=name):
-            if name not in seen or size(args) > size(seen[name]):
-                seen[name] = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-
-        hooks.append(model.get_submodule(name).register_forward_pre_hook(hook))
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            model.eval()(*example_inputs)
-    finally:
-        for h in hooks:
-            h.remove()
-        for m, training in modes:
-            m.training = training
+    run_watched(model, example_inputs, {name: functools.partial(keep, name) for name in names})
     return seen
 
 

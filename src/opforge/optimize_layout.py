@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map
 
 from .optimize_choice import _MARGIN, _median_us
 from .optimize_fold import copies_weight_once
-from .optimize_patterns import find_chains
+from .optimize_patterns import find_chains, is_opforge_layer
 
 
 def _is_nchw_batch(t) -> bool:
@@ -342,7 +342,7 @@ def faster_layout(nchw: torch.nn.Module, inside: torch.nn.Module, example_inputs
     cached per process like the first choice. Where ``inside`` holds none of
     opforge's layers it is the model the first choice timed: NCHW stays (a
     second timing of the same two models would only measure noise)."""
-    if not any(type(m).__module__.startswith("opforge.") for m in inside.modules()):
+    if not any(is_opforge_layer(m) for m in inside.modules()):
         return False, "NCHW kept: no layer of the model is opforge's in channels_last either"
     batches = _nchw_batches(example_inputs)
     device = batches[0].device

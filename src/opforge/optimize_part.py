@@ -14,43 +14,34 @@ last conv, a parent calling one of the part's layers itself).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .optimize_layout import _is_nchw_batch, _nchw_batches, choose_channels_last
+from .optimize_patterns import run_watched
 
 
 def find_part(model: torch.nn.Module, example_inputs: tuple) -> tuple[str, torch.Tensor] | None:
     """(name, its input) of the part the layout choice is made for, or None: for an eval-mode model
     whose inputs hold no NCHW batch, the outermost submodule called once with one NCHW batch as its
     only argument; of several, the one holding the most convs (the backbone, not a box head's MLP).
-    The run that finds it is in eval mode throughout, the modules' own modes restored after it."""
+    The run that finds it is in eval mode throughout (``run_watched``)."""
     if model.training or _nchw_batches(example_inputs):
         return None
     calls: dict[str, int] = {}
     batches: dict[str, torch.Tensor] = {}
 
-    def hook(module, args, kwargs, name):
+    def count(name, module, args, kwargs):
         calls[name] = calls.get(name, 0) + 1
         if calls[name] == 1 and not kwargs and len(args) == 1 and _is_nchw_batch(args[0]):
             batches[name] = args[0].detach()
 
-    handles = []
-    modes = [(m, m.training) for m in model.modules()]
+    watch = {name: functools.partial(count, name) for name, _ in model.named_modules() if name}
     try:
-        for name, m in model.named_modules():
-            if name:
-                handles.append(
-                    m.register_forward_pre_hook(lambda m, a, k, name=name: hook(m, a, k, name), with_kwargs=True)
-                )
-        with torch.no_grad():
-            model.eval()(*example_inputs)
+        run_watched(model, example_inputs, watch)
     except Exception:  # noqa: BLE001 - a ScriptModule takes no hooks; the model's own error surfaces later
         return None
-    finally:
-        for h in handles:
-            h.remove()
-        for m, training in modes:
-            m.training = training
     named = {name: batch for name, batch in batches.items() if calls[name] == 1}
     outermost = [n for n in named if not any(n.startswith(other + ".") for other in named)]
     convs = {n: sum(isinstance(m, torch.nn.Conv2d) for m in model.get_submodule(n).modules()) for n in outermost}

@@ -57,12 +57,35 @@ class Chain:
     act: str | None = None
 
 
+def is_opforge_layer(module: torch.nn.Module) -> bool:
+    """A layer optimize put in (or the user did): opforge's modules are no pattern's part again."""
+    return type(module).__module__.startswith("opforge.")
+
+
+def run_watched(model: torch.nn.Module, example_inputs: tuple, watch: dict) -> None:
+    """One run of ``model`` on ``example_inputs`` without autograd, ``watch[name](module, args,
+    kwargs)`` called before each call of the named submodule (it must return None). The run is in
+    eval mode, so that it changes no BatchNorm statistics; the modules' own modes are restored."""
+    handles = []
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        for name, hook in watch.items():
+            handles.append(model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True))
+        with torch.no_grad():
+            model.eval()(*example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes:
+            m.training = training
+
+
 class Tracer(torch.fx.Tracer):
     """fx's tracer, with opforge's own layers (their forward branches on the input) and every
     BatchNorm kind (a chain's link; fx would inline FrozenBatchNorm2d's arithmetic) as leaves."""
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        if type(m).__module__.startswith("opforge.") or isinstance(m, batch_norm_kinds()):
+        if is_opforge_layer(m) or isinstance(m, batch_norm_kinds()):
             return True
         if is_kind(m, (torch.nn.Conv2d, *ACTIVATIONS)):  # a subclass that keeps torch's forward
             return True
