@@ -27,12 +27,18 @@ def test_run_cell_checks_outputs_and_reports(mode, tmp_path):
         t = result.providers[name]
         assert t.status == "ok" and t.ms > 0, t
         assert t.max_rel_error < 1e-4, t
+    # What optimize did rides along with its time: the layer count and the model-level notes.
+    assert result.providers["eager"].optimized is None
+    assert " of 52 layers changed" in result.providers["optimize"].optimized
     text = models_report.table([result])
     assert "mobilenet_v2" in text and "optimize / eager" in text
     path = tmp_path / "models.json"
     models_report.write_json([result], str(path), "cpu")
     data = json.loads(path.read_text())
     assert data["schema"] == models_report.SCHEMA and data["results"][0]["cell"]["mode"] == mode
+    assert data["results"][0]["providers"]["optimize"]["optimized"] == result.providers["optimize"].optimized
+    _, back = models_report.read_json(str(path))
+    assert back[0].providers["optimize"].optimized == result.providers["optimize"].optimized
 
 
 def test_merge_reads_back_what_was_written(tmp_path):

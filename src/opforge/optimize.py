@@ -57,6 +57,11 @@ trace):
   elsewhere it is traced as torch's conv and activation, which inductor
   fuses with their neighbours (the layer's ``torch_when_compiled``).
 
+Last, with ``example_inputs``, the whole model is timed as optimized against
+the model as it was, in its own mode (``optimize_guard``): layers that each
+won alone can add up to a slower model (a host-bound step), and where the
+optimized model is not faster it is put back as it was (the report says so).
+
 The result is a copy (``inplace=True`` changes ``model`` itself) of the same
 type; ``report=True`` also returns an :class:`OptimizeReport` saying, layer
 by layer, what was replaced and why the rest was left.
@@ -74,6 +79,7 @@ from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks, skip_identity_calls
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
+from .optimize_guard import ModelState, keep_optimized
 from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
 from .optimize_part import choose_part_layout
 from .optimize_patterns import (
@@ -122,27 +128,48 @@ def optimize(
     if example_inputs is None or force:
         layers = _replace_layers(out, example_inputs, force)
         return _finish(out, layers, notes, report)
+    before = ModelState(out)
     # Before any layer is replaced: the layers are then timed on the layout they will see.
     notes += choose_part_layout(out, example_inputs)
     installed, why = choose_channels_last(out, example_inputs)
     notes += [why] if why else []
     if installed or not second_look_applies(out, why):
-        return _finish(out, _replace_layers(out, example_inputs, force), notes, report)
-    # An eval-mode model that kept NCHW: optimized both ways, the faster whole model kept.
-    return _finish(*_both_layouts(out, example_inputs, inplace, notes), notes, report)
+        layers = _replace_layers(out, example_inputs, force)
+    else:
+        # An eval-mode model that kept NCHW: optimized both ways, the faster whole model kept.
+        out, layers, before = _both_layouts(out, before, example_inputs, inplace, notes)
+    return _finish(out, _checked_whole(before, layers, example_inputs, notes), notes, report)
 
 
-def _both_layouts(out: torch.nn.Module, example_inputs: tuple, inplace: bool, notes: list[str]):
-    """(the optimized model, its report's rows) for an eval-mode model whose first choice kept NCHW:
-    a copy optimized as NCHW and one channels_last inside, the second taken where ``faster_layout``
-    finds it faster. Where the channels_last copy cannot be made or optimized, NCHW stays. In
-    place, the caller's model is then optimized the chosen way (every timing is cached by then)."""
+def _checked_whole(before: ModelState, layers: dict[str, LayerReport], example_inputs: tuple, notes: list[str]):
+    """The report's rows once the optimized model is timed whole against ``before`` (the model as it
+    was, put back where it is not faster: ``optimize_guard``)."""
+    if not before.changed():
+        return layers
+    kept, why = keep_optimized(before, example_inputs)
+    notes += [why] if why else []
+    if kept:
+        return layers
+    undone = "faster alone, but the whole model was not: put back"
+    return {
+        name: row if row.action == "left" else LayerReport(row.conv, row.pattern, "left", f"{row.action} {undone}")
+        for name, row in layers.items()
+    }
+
+
+def _both_layouts(out: torch.nn.Module, before: ModelState, example_inputs: tuple, inplace: bool, notes: list[str]):
+    """(the optimized model, its report's rows, its state before) for an eval-mode model whose first
+    choice kept NCHW: a copy optimized as NCHW and one channels_last inside, the second taken where
+    ``faster_layout`` finds it faster. Where the channels_last copy cannot be made or optimized,
+    NCHW stays. In place, the caller's model is then optimized the chosen way (every timing is
+    cached by then)."""
     try:
         inside = copy.deepcopy(out)  # before any of out's layers is replaced
+        inside_before = ModelState(inside)
         nchw = copy.deepcopy(out) if inplace else out
     except Exception as e:  # noqa: BLE001 - e.g. a lock or a handle among the model's attributes
         notes.append(f"NCHW kept: the second look optimizes a copy, and this model does not copy ({str(e)[:80]})")
-        return out, _replace_layers(out, example_inputs, False)
+        return out, _replace_layers(out, example_inputs, False), before
     nchw_layers = _replace_layers(nchw, example_inputs, False)
     try:
         install_channels_last(inside)
@@ -154,11 +181,11 @@ def _both_layouts(out: torch.nn.Module, example_inputs: tuple, inplace: bool, no
         take_inside, why = faster_layout(nchw, inside, example_inputs)
         notes += [why] if why else []
     if not inplace:
-        return (inside, inside_layers) if take_inside else (nchw, nchw_layers)
-    del inside, nchw  # the copies go before the caller's model is optimized
+        return (inside, inside_layers, inside_before) if take_inside else (nchw, nchw_layers, before)
+    del inside, nchw, inside_before  # the copies go before the caller's model is optimized
     if take_inside:
         install_channels_last(out)
-    return out, _replace_layers(out, example_inputs, False)
+    return out, _replace_layers(out, example_inputs, False), before
 
 
 def _replace_layers(out: torch.nn.Module, example_inputs: tuple | None, force: bool) -> dict[str, LayerReport]:

@@ -54,6 +54,7 @@ class Timed:
     ms: float | None = None  # median per call; None: not run (see status)
     max_rel_error: float | None = None
     status: str = "ok"  # ok | n/a | failed: <reason>
+    optimized: str | None = None  # optimize's providers: what its report says, in a line
 
 
 @dataclasses.dataclass
@@ -96,8 +97,10 @@ def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: boo
     import opforge
 
     m = copy.deepcopy(model)
+    summary = None
     if provider in ("optimize", "compile_optimize", "compile_optimize_ro"):
-        m = opforge.optimize(m, example_inputs=(x,))
+        m, report = opforge.optimize(m, example_inputs=(x,), report=True)
+        summary = report_line(report)
     if provider.startswith("compile"):
         mode = "reduce-overhead" if provider.endswith("_ro") else None
         if provider == "compile_freezing":
@@ -115,6 +118,7 @@ def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: boo
             with torch.no_grad():
                 return forward(x)
 
+        infer.optimized = summary
         return infer
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
 
@@ -125,7 +129,14 @@ def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: boo
         opt.zero_grad(set_to_none=True)
         return out.detach()
 
+    step.optimized = summary
     return step
+
+
+def report_line(report) -> str:
+    """optimize's report in a line: how many layers changed, then its model-level notes."""
+    changed = f"{len(report.replaced)} of {len(report.layers)} layers changed"
+    return "; ".join([changed, *report.notes])
 
 
 def _max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -189,7 +200,10 @@ def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[st
         for provider in providers_for(cell):
             if provider in fns:
                 t = times[provider]
-                result.providers[provider] = Timed(status=t) if isinstance(t, str) else Timed(t, errors[provider])
+                optimized = getattr(fns[provider], "optimized", None)
+                timed = Timed(status=t) if isinstance(t, str) else Timed(t, errors[provider])
+                timed.optimized = optimized
+                result.providers[provider] = timed
     finally:
         torch._dynamo.reset()
     return result
