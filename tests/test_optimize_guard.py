@@ -69,11 +69,12 @@ def test_a_faster_optimized_model_stays(monkeypatch, layers_win, inplace):
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_a_slower_optimized_model_is_put_back(monkeypatch, layers_win, inplace):
+@pytest.mark.parametrize("optimized_us", [20.0, 9.8])  # slower; faster, but by less than the 3% margin
+def test_a_slower_optimized_model_is_put_back(monkeypatch, layers_win, inplace, optimized_us):
     model = block()
     original = copy.deepcopy(model)
     children = list(model.children())
-    whole_model_times(monkeypatch, 10.0, 20.0)
+    whole_model_times(monkeypatch, 10.0, optimized_us)
     x = torch.randn(2, 4, 16, 16)
     fast, report = opforge.optimize(model, example_inputs=(x,), inplace=inplace, report=True)
     assert not opforge_layers(fast)
@@ -82,7 +83,8 @@ def test_a_slower_optimized_model_is_put_back(monkeypatch, layers_win, inplace):
         assert fast is model and list(model.children()) == children  # the very modules it had
     assert report.replaced == [] and len(report.layers) == 2
     assert all(r.reason.endswith("faster alone, but the whole model was not: put back") for r in report.layers)
-    assert any("is not faster (0.02 ms vs 0.01 ms as it was, forward): put back as it was" in n for n in report.notes)
+    times = f"{optimized_us / 1e3:.2f} ms vs 0.01 ms as it was, forward"
+    assert any(f"is not 3% faster ({times}): put back as it was" in n for n in report.notes)
     with torch.no_grad():
         torch.testing.assert_close(fast(x), original(x), rtol=0, atol=0)
     torch.testing.assert_close(fast.state_dict(), original.state_dict(), rtol=0, atol=0)

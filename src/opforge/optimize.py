@@ -60,7 +60,7 @@ trace):
 Last, with ``example_inputs``, the whole model is timed as optimized against
 the model as it was, in its own mode (``optimize_guard``): layers that each
 won alone can add up to a slower model (a host-bound step), and where the
-optimized model is not faster it is put back as it was (the report says so).
+optimized model is not 3% faster it is put back as it was (the report says so).
 
 The result is a copy (``inplace=True`` changes ``model`` itself) of the same
 type; ``report=True`` also returns an :class:`OptimizeReport` saying, layer

@@ -6,8 +6,9 @@ batch of 1, forward and backward) several replacements that each won by a
 few percent, within the timing's noise, can add up to a slower model. So
 where example inputs are given and anything changed, the model is timed
 both ways, in its own mode (eval: a forward; training: a forward and a
-backward), in alternating rounds, and where the optimized model is not
-faster the model is put back as it was.
+backward), in alternating rounds, and where the optimized model is not at
+least 3% faster (the margin each layer must win by) the model is put back
+as it was.
 
 Both versions are one model object: ``ModelState`` records what ``optimize``
 changes (each module's children, parameters, buffers, hooks and mode) and
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from .optimize_choice import _median_us
+from .optimize_choice import _MARGIN, _median_us
 from .optimize_layout import _architecture, _seeded
 
 # Per module, the dicts optimize may change. Restored in place (clear, update): a hook handle
@@ -134,7 +135,7 @@ def _device(example_inputs: tuple) -> torch.device | None:
 
 
 def keep_optimized(before: ModelState, example_inputs: tuple) -> tuple[bool, str]:
-    """(the optimized model, as it is now, stays; what was measured). Where it is not faster than
+    """(the optimized model, as it is now, stays; what was measured). Where it is not 3% faster than
     ``before`` (the model as it was), ``before`` is applied: the model is back as it was."""
     model = before.model
     after = ModelState(model)
@@ -161,10 +162,11 @@ def keep_optimized(before: ModelState, example_inputs: tuple) -> tuple[bool, str
     before_us, after_us = _verdicts[key]
     what = "forward + backward" if model.training else "forward"
     times = f"{after_us / 1e3:.2f} ms vs {before_us / 1e3:.2f} ms as it was, {what}"
-    if after_us <= before_us:
+    # The layers' margin: a whole model that times within the noise of its original gains nothing.
+    if after_us * _MARGIN <= before_us:
         return True, f"the whole model optimized: {times}"
     before.apply()
-    return False, f"the whole model optimized is not faster ({times}): put back as it was"
+    return False, f"the whole model optimized is not 3% faster ({times}): put back as it was"
 
 
 def _buffers_of(state: ModelState) -> list[torch.Tensor]:
