@@ -332,6 +332,9 @@ def test_channels_last_parameters_keep_their_format():
 def test_bad_model_argument():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         opforge.optimize(lambda x: x)
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval())
+    with pytest.raises(TypeError, match="model is a TorchScript module"):
+        opforge.optimize(scripted)
 
 
 @pytest.fixture

@@ -242,3 +242,19 @@ def test_untraceable_parents_keep_their_outputs(model_class):
         assert set(rows) == {"tower.0", "logits"} and rows["logits"].action != "left", str(report)
     with torch.no_grad():
         torch.testing.assert_close(fast(*args), model(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_a_scripted_child_is_left_as_compiled(timed):
+    # Its compiled code calls what it was compiled with: nothing inside it is replaced, the rest is.
+    inner = randomize_batchnorm(torch.nn.Sequential(_ConvBnRelu(3, 8)).eval())
+    scripted = torch.jit.script(inner)
+    model = randomize_batchnorm(
+        torch.nn.Sequential(scripted, torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8)).eval()
+    )
+    x = torch.randn(2, 3, 16, 16)
+    fast, report = opforge.optimize(model, example_inputs=(x,) if timed else None, report=True)
+    assert isinstance(fast[0], torch.jit.ScriptModule)
+    assert [r.conv for r in report.layers] == ["1"] and report.layers[0].action.startswith("BatchNorm folded")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-5, atol=1e-5)

@@ -88,6 +88,7 @@ from .optimize_patterns import (
     find_chains,
     is_kind,
     is_opforge_layer,
+    is_scripted,
     run_watched,
     uses_batch_statistics,
 )
@@ -123,6 +124,11 @@ def optimize(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"opforge.optimize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_scripted(model):
+        raise TypeError(
+            "opforge.optimize: model is a TorchScript module, whose compiled code no layer can be swapped "
+            "into; optimize the nn.Module, then trace (torch.jit.trace) or export (torch.export) the result"
+        )
     out = model if inplace else copy.deepcopy(model)
     notes = []
     if example_inputs is None or force:

@@ -45,6 +45,7 @@ from .optimize_patterns import (
     batch_norm_kinds,
     describe_conv,
     is_kind,
+    is_scripted,
     trace_or_none,
     uses_batch_statistics,
 )
@@ -77,6 +78,9 @@ def rewrite_blocks(model: torch.nn.Module) -> tuple[list[ResidualTail], dict[str
         if not name or any(name.startswith(d + ".") for d in done):
             continue
         if isinstance(block, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        if is_scripted(block):
+            done.append(name)  # compiled code: nothing inside it is rewritten
             continue
         if type(block).__module__.startswith("torch.nn") or not any(True for _ in block.children()):
             continue  # torch's own layers, and leaves, have no block pattern

@@ -28,6 +28,7 @@ import torch
 
 from .optimize_choice import _MARGIN, _median_us
 from .optimize_layout import _architecture, _seeded
+from .optimize_patterns import is_scripted
 
 # Per module, the dicts optimize may change. Restored in place (clear, update): a hook handle
 # holds a reference to its dict, and must still remove the hook afterwards.
@@ -55,7 +56,7 @@ class ModelState:
         self.model = model
         self.saved = [
             (m, m.training, [(name, dict(getattr(m, name))) for name in _STATE_DICTS if hasattr(m, name)])
-            for m in model.modules()
+            for m in _changeable(model)
         ]
 
     def apply(self) -> None:
@@ -68,7 +69,7 @@ class ModelState:
 
     def changed(self) -> bool:
         """Whether the model differs from this record now."""
-        if [m for m, _, _ in self.saved] != list(self.model.modules()):
+        if [m for m, _, _ in self.saved] != _changeable(self.model):
             return True
         for module, training, dicts in self.saved:
             if module.training != training:
@@ -78,6 +79,11 @@ class ModelState:
                 if current.keys() != content.keys() or any(current[k] is not v for k, v in content.items()):
                     return True
         return False
+
+
+def _changeable(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules optimize may change: not those of TorchScript, whose compiled code it leaves."""
+    return [m for m in model.modules() if not is_scripted(m)]
 
 
 def _call(model: torch.nn.Module, example_inputs: tuple):

@@ -57,6 +57,12 @@ class Chain:
     act: str | None = None
 
 
+def is_scripted(module: torch.nn.Module) -> bool:
+    """A TorchScript module runs its compiled code, not its children's ``forward``: nothing inside
+    it can be replaced (its code would still call what it was compiled with), and fx cannot open it."""
+    return isinstance(module, torch.jit.ScriptModule)
+
+
 def is_opforge_layer(module: torch.nn.Module) -> bool:
     """A layer optimize put in (or the user did): opforge's modules are no pattern's part again."""
     return type(module).__module__.startswith("opforge.")
@@ -85,7 +91,7 @@ class Tracer(torch.fx.Tracer):
     BatchNorm kind (a chain's link; fx would inline FrozenBatchNorm2d's arithmetic) as leaves."""
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        if is_opforge_layer(m) or isinstance(m, batch_norm_kinds()):
+        if is_opforge_layer(m) or isinstance(m, batch_norm_kinds()) or is_scripted(m):
             return True
         if is_kind(m, (torch.nn.Conv2d, *ACTIVATIONS)):  # a subclass that keeps torch's forward
             return True
@@ -143,6 +149,8 @@ def find_chains(model: torch.nn.Module) -> list[Chain]:
 
 
 def _chains_in(module: torch.nn.Module, prefix: str, registered: collections.Counter) -> list[Chain]:
+    if is_scripted(module):
+        return []
     if prefix and _is(module, torch.nn.Conv2d):  # a conv its untraceable parent calls: a chain of its own
         return [Chain(prefix[:-1])] if registered[id(module)] == 1 else []
     graph = trace_or_none(module, root=not prefix)
