@@ -107,3 +107,17 @@ def test_json_is_written_after_every_cell(tmp_path, monkeypatch):
     env, results = models_report.read_json(str(path))
     assert [r.cell for r in results] == done and env["device"] == "cpu"
     assert not (tmp_path / "run.json.tmp").exists()
+
+
+def test_report_line_counts_what_layers_became():
+    from opforge.optimize_report import LayerReport, OptimizeReport
+
+    rows = [
+        LayerReport("a", "Conv2d(3x3)", "opforge conv2d_3x3"),
+        LayerReport("b", "Conv2d(3x3)", "opforge conv2d_3x3"),
+        LayerReport("c", "Conv2d(1x1)", "BatchNorm folded"),
+        LayerReport("d", "Conv2d(5x5)", "left", "opforge has no kernel for this conv"),
+    ]
+    line = models.report_line(OptimizeReport(rows, ["NCHW kept"]))
+    assert line == "3 of 4 layers changed (2x opforge conv2d_3x3, 1x BatchNorm folded); NCHW kept"
+    assert models.report_line(OptimizeReport(rows[3:])) == "0 of 1 layers changed"

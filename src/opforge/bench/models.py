@@ -25,6 +25,7 @@ and an SGD step (dropout off, so that the outputs compare).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import statistics
@@ -134,8 +135,11 @@ def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: boo
 
 
 def report_line(report) -> str:
-    """optimize's report in a line: how many layers changed, then its model-level notes."""
+    """optimize's report in a line: how many layers changed, into what, then its model-level notes."""
     changed = f"{len(report.replaced)} of {len(report.layers)} layers changed"
+    actions = collections.Counter(row.action for row in report.replaced)
+    if actions:
+        changed += " (" + ", ".join(f"{n}x {action}" for action, n in actions.most_common()) + ")"
     return "; ".join([changed, *report.notes])
 
 
