@@ -149,7 +149,9 @@ def keep_optimized(before: ModelState, example_inputs: tuple) -> tuple[bool, str
     if device is None:
         return True, ""
     tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    structure = tuple((name, type(m).__qualname__) for name, m in model.named_modules())
+    # The optimized version as it runs: its modules, and which of them have hooks (channels_last inside).
+    hooks = {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()}
+    structure = tuple((name, type(m).__qualname__, hooks[name]) for name, m in model.named_modules())
     before.apply()
     key = (_architecture(model, tensors), model.training, structure)
     after.apply()
