@@ -10,7 +10,7 @@ import torch
 from training_models import train_model
 
 import opforge
-from opforge import optimize_guard
+from opforge import optimize_guard, optimize_layout
 
 optimize_module = importlib.import_module("opforge.optimize")
 
@@ -198,3 +198,18 @@ def test_model_state_puts_back_children_parameters_buffers_hooks_and_mode():
     state.apply()
     assert model[0] is conv and model._forward_pre_hooks is hooks and not hooks
     assert "extra" not in model[1]._buffers and not model.training and not state.changed()
+
+
+def test_the_verdict_is_per_layout_inside(monkeypatch, layers_win):
+    # The same architecture optimized with and without the channels_last hooks: two models, two timings.
+    calls = whole_model_times(monkeypatch, 20.0, 10.0)
+    x = torch.randn(2, 4, 16, 16)
+    opforge.optimize(block(), example_inputs=(x,))
+
+    def inside(model, inputs):
+        optimize_layout.install_channels_last(model)
+        return True, "NCHW inputs run as channels_last inside"
+
+    monkeypatch.setattr(optimize_module, "choose_channels_last", inside)
+    fast = opforge.optimize(block(), example_inputs=(x,))
+    assert optimize_layout.has_channels_last_hooks(fast) and len(calls) == 2
