@@ -15,19 +15,19 @@ changes (each module's children, parameters, buffers, hooks and mode) and
 puts it back in place, so an optimizer or hook handle the caller holds keeps
 working whichever version stays, and no copy of the model is made. The
 timing changes nothing the caller sees: BatchNorm statistics are restored,
-gradients are computed without touching ``.grad``, and the random stream is
-forked. The verdict is cached per process like the layers' own timings.
+gradients are computed without touching ``.grad`` (``optimize_layout._one_call``,
+the call the layout choice times), and the random stream is forked. The
+verdict is cached per process like the layers' own timings.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
-from .optimize_choice import _MARGIN, _median_us
-from .optimize_layout import _architecture, _seeded
+from .optimize_choice import _MARGIN
+from .optimize_layout import _architecture, _interleaved_us, _one_call, _seeded
 from .optimize_patterns import is_scripted
 
 # Per module, the dicts optimize may change. Restored in place (clear, update): a hook handle
@@ -86,58 +86,21 @@ def _changeable(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if not is_scripted(m)]
 
 
-def _call(model: torch.nn.Module, example_inputs: tuple):
-    """One timed call in the model's current mode: eval, a forward under no_grad; training, a
-    forward and the gradients of its outputs' sum for the parameters, returned, not accumulated."""
-    if not model.training:
-
-        def forward():
-            with torch.no_grad():
-                return model(*example_inputs)
-
-        return forward
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def forward_backward():
-        out = model(*example_inputs)
-        leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if leaves and params:
-            loss = sum(t.float().sum() for t in leaves)
-            torch.autograd.grad(loss, params, allow_unused=True)
-        return out
-
-    return forward_backward
-
-
 def _timed(before: ModelState, after: ModelState, example_inputs: tuple, device: torch.device):
     """(before_us, after_us): the model's two versions, warmed up, then timed in alternating rounds."""
     before.apply()
-    call_before = _call(before.model, example_inputs)
-    after.apply()
-    call_after = _call(after.model, example_inputs)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    before.apply()
+    call_before = _one_call(before.model, example_inputs)  # the parameters of each version
     call_before()
     after.apply()
+    call_after = _one_call(after.model, example_inputs)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     call_after()
     sync()
     calls = 1 if time.perf_counter() - start > _SLOW_S else _CALLS
-    a, b = [], []
-    for _ in range(_ROUNDS):
-        before.apply()
-        a.append(_median_us(call_before, device, calls=calls, repeats=1))
-        after.apply()
-        b.append(_median_us(call_after, device, calls=calls, repeats=1))
-    return statistics.median(a), statistics.median(b)
-
-
-def _device(example_inputs: tuple) -> torch.device | None:
-    tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].device.type not in ("cpu", "cuda"):
-        return None
-    return tensors[0].device
+    states = (before.apply, after.apply)
+    return _interleaved_us(call_before, call_after, device, _ROUNDS, calls, before_each=states)
 
 
 def keep_optimized(before: ModelState, example_inputs: tuple) -> tuple[bool, str]:
@@ -145,13 +108,15 @@ def keep_optimized(before: ModelState, example_inputs: tuple) -> tuple[bool, str
     ``before`` (the model as it was), ``before`` is applied: the model is back as it was."""
     model = before.model
     after = ModelState(model)
-    device = _device(example_inputs)
-    if device is None:
-        return True, ""
     tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].device.type not in ("cpu", "cuda"):
+        return True, ""
+    device = tensors[0].device
     # The optimized version as it runs: its modules, and which of them have hooks (channels_last inside).
-    hooks = {name: (len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()}
-    structure = tuple((name, type(m).__qualname__, hooks[name]) for name, m in model.named_modules())
+    structure = tuple(
+        (name, type(m).__qualname__, len(m._forward_pre_hooks), len(m._forward_hooks))
+        for name, m in model.named_modules()
+    )
     before.apply()
     key = (_architecture(model, tensors), model.training, structure)
     after.apply()

@@ -169,8 +169,9 @@ def _architecture(model: torch.nn.Module, batches: list[torch.Tensor]) -> tuple:
 
 
 def _one_call(model: torch.nn.Module, example_inputs: tuple):
-    """What the choice times, in the model's mode: eval, a forward under no_grad; training, a forward
-    and the backward of its outputs' sum (a training step less the optimizer), gradients dropped."""
+    """What a model-level choice times, in the model's mode: eval, a forward under no_grad;
+    training, a forward and the backward of its outputs' sum (a training step less the optimizer),
+    the parameters' gradients returned, not accumulated: no ``.grad`` is touched."""
     if not model.training:
 
         def forward():
@@ -178,14 +179,14 @@ def _one_call(model: torch.nn.Module, example_inputs: tuple):
                 return model(*example_inputs)
 
         return forward
+    params = [p for p in model.parameters() if p.requires_grad]
 
     def forward_backward():
         out = model(*example_inputs)
         leaves = torch.utils._pytree.tree_leaves(out)
         losses = [t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        if losses:
-            torch.autograd.backward(losses)
-        model.zero_grad(set_to_none=True)
+        if losses and params:
+            torch.autograd.grad(sum(losses), params, allow_unused=True)
         return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
     return forward_backward
@@ -224,13 +225,18 @@ def _hooked_call(model: torch.nn.Module, example_inputs: tuple, device: torch.de
     return call
 
 
-def _interleaved_us(first, second, device: torch.device, rounds: int = 5, calls: int = 3) -> tuple[float, float]:
+def _interleaved_us(
+    first, second, device: torch.device, rounds: int = 5, calls: int = 3, before_each=(None, None)
+) -> tuple[float, float]:
     """Median us per call of ``first`` and of ``second``, timed in alternating rounds: a host whose
-    speed drifts while they are timed shifts both alike."""
+    speed drifts while they are timed shifts both alike. ``before_each``: what runs, untimed, before
+    each round of ``first`` and of ``second`` (one model put into either of two states)."""
     a, b = [], []
     for _ in range(rounds):
-        a.append(_median_us(first, device, calls=calls, repeats=1))
-        b.append(_median_us(second, device, calls=calls, repeats=1))
+        for fn, prepare, samples in ((first, before_each[0], a), (second, before_each[1], b)):
+            if prepare is not None:
+                prepare()
+            samples.append(_median_us(fn, device, calls=calls, repeats=1))
     return statistics.median(a), statistics.median(b)
 
 

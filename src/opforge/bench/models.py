@@ -94,7 +94,10 @@ def _build(cell: Cell, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, x
 
 
-def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: bool) -> Callable[[], torch.Tensor]:
+def _callable(
+    provider: str, model: torch.nn.Module, x: torch.Tensor, train: bool
+) -> tuple[Callable[[], torch.Tensor], str | None]:
+    """The provider's timed call, and for optimize's providers its report in a line (else None)."""
     import opforge
 
     m = copy.deepcopy(model)
@@ -119,8 +122,7 @@ def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: boo
             with torch.no_grad():
                 return forward(x)
 
-        infer.optimized = summary
-        return infer
+        return infer, summary
     opt = torch.optim.SGD(m.parameters(), lr=1e-3)
 
     def step():
@@ -130,8 +132,7 @@ def _callable(provider: str, model: torch.nn.Module, x: torch.Tensor, train: boo
         opt.zero_grad(set_to_none=True)
         return out.detach()
 
-    step.optimized = summary
-    return step
+    return step, summary
 
 
 def report_line(report) -> str:
@@ -187,13 +188,13 @@ def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[st
         torch.manual_seed(seed)
         ref = ref_model(x.float())
     result = CellResult(cell, {})
-    fns, errors = {}, {}
+    fns, errors, summaries = {}, {}, {}
     for provider in providers_for(cell):
         if only and provider not in only:
             continue
         try:
             torch.manual_seed(seed)
-            fn = _callable(provider, model, x, train)
+            fn, summaries[provider] = _callable(provider, model, x, train)
             torch.manual_seed(seed)
             errors[provider] = _max_rel_error(fn(), ref)
             fns[provider] = fn
@@ -204,10 +205,8 @@ def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[st
         for provider in providers_for(cell):
             if provider in fns:
                 t = times[provider]
-                optimized = getattr(fns[provider], "optimized", None)
                 timed = Timed(status=t) if isinstance(t, str) else Timed(t, errors[provider])
-                timed.optimized = optimized
-                result.providers[provider] = timed
+                result.providers[provider] = dataclasses.replace(timed, optimized=summaries[provider])
     finally:
         torch._dynamo.reset()
     return result
