@@ -1,8 +1,10 @@
 """opforge.conv2d_batch_norm and nn.ConvBatchNorm2d: training-mode conv -> BatchNorm -> activation in one call.
 
-The op runs torch's own kernels, so on the CPU every output, gradient and
-running statistic must equal the three modules' bit for bit; on CUDA within
-a rounding (cuDNN may pick another algorithm for a second call)."""
+Where the op runs torch's own kernels (float64 on the CPU) every output,
+gradient and running statistic must equal the three modules' bit for bit;
+on opforge's own batch norm engines (float32 and the half types on the CPU,
+channels_last on CUDA) within a rounding. tests/test_batch_norm_act_cpu.py
+checks the CPU engine against float64."""
 
 import copy
 import re
@@ -90,6 +92,9 @@ def compare(block, activation, x, device, exact):
     pairs = [(out, ref), (x2.grad, x1.grad)]
     pairs += [(p.grad, q.grad) for p, q in zip(mine.parameters(), block.parameters())]
     pairs += [(p, q) for p, q in zip(mine.buffers(), block.buffers())]
+    # A conv bias's gradient before a training BatchNorm is 0 in exact arithmetic: rounding noise
+    # summed over the batch, of the size of the conv weight's gradient (a sum over as many values).
+    noise = {id(block[0].bias.grad): block[0].weight.grad.abs().max().item()} if block[0].bias is not None else {}
     for actual, expected in pairs:
         assert (actual is None) == (expected is None)
         if actual is None:
@@ -99,9 +104,9 @@ def compare(block, activation, x, device, exact):
             assert torch.equal(actual, expected)
         else:
             rtol = {torch.float32: 1e-4, torch.float64: 1e-10}.get(actual.dtype, 2e-2)
-            # A floor of 1 (the data's scale): a conv bias's gradient before a BatchNorm, or a running
-            # mean that starts at 0, is rounding noise around zero.
-            scale = max(expected.abs().max().item(), 1.0)
+            # A floor of 1 (the data's scale): a running mean that starts at 0 is rounding noise
+            # around zero.
+            scale = max(expected.abs().max().item(), 1.0, noise.get(id(expected), 0.0))
             torch.testing.assert_close(actual, expected, rtol=0, atol=rtol * scale)
     assert out.stride() == layout
     return mine
@@ -116,7 +121,7 @@ def test_op_equals_modules(device, activation, dtype, channels_last):
     if channels_last:
         block = block.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
-    mine = compare(block, activation, x, device, exact=device == "cpu")
+    mine = compare(block, activation, x, device, exact=device == "cpu" and dtype == torch.float64)
     assert int(mine[1].num_batches_tracked) == 1
 
 
@@ -203,13 +208,13 @@ def test_cuda_engine_many_rows_far_from_zero(activation, monkeypatch):
 )
 def test_conv_shapes(device, conv):
     block = modules(torch.float32, device, "relu6", **conv)
-    compare(block, "relu6", torch.randn(3, 8, 11, 13, device=device), device, exact=device == "cpu")
+    compare(block, "relu6", torch.randn(3, 8, 11, 13, device=device), device, exact=False)
 
 
 @pytest.mark.parametrize("bn", [dict(affine=False), dict(track_running_stats=False), dict(momentum=0.3, eps=1e-3)])
 def test_batch_norm_variants(device, bn):
     block = modules(torch.float32, device, "silu", **bn)
-    compare(block, "silu", torch.randn(2, 8, 9, 9, device=device), device, exact=device == "cpu")
+    compare(block, "silu", torch.randn(2, 8, 9, 9, device=device), device, exact=False)
 
 
 class Doubled(torch.nn.Module):
@@ -224,7 +229,8 @@ class Doubled(torch.nn.Module):
 @pytest.mark.parametrize("training", [True, False])
 def test_module_reads_its_tensors_as_the_modules_do(bn, parametrized, training):
     """ConvBatchNorm2d reads each tensor from its registry, or as an attribute where a parametrization
-    computes it: output, gradients and running statistics are the three modules' (CPU: bit for bit)."""
+    computes it: output, gradients and running statistics are the three modules' (bit for bit in eval
+    mode, where the modules run; in training within the own engine's rounding)."""
     block = modules(torch.float32, "cpu", "relu", **bn).train(training)
     mine = copy.deepcopy(block)
     fused = opforge.nn.ConvBatchNorm2d.of(mine[0], opforge.nn.BatchNormInConv.of(mine[1]), "relu")
@@ -234,12 +240,19 @@ def test_module_reads_its_tensors_as_the_modules_do(bn, parametrized, training):
     x = torch.randn(2, 8, 7, 7)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     out, ref = fused(x1), block(x2)
-    assert torch.equal(out, ref)
+
+    def same(a, b, msg=None):
+        if training or not bn.get("track_running_stats", True):  # batch statistics: the own engine
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=msg)
+        else:
+            assert torch.equal(a, b), msg
+
+    same(out, ref)
     out.square().sum().backward()
     ref.square().sum().backward()
-    assert torch.equal(x1.grad, x2.grad)
+    same(x1.grad, x2.grad)
     for (k, a), b in zip(mine[1].state_dict().items(), block[1].state_dict().values()):
-        assert torch.equal(a, b), k  # the running statistics the op updates
+        same(a, b, k)  # the running statistics the op updates
 
 
 def test_gradcheck_float64():
@@ -273,8 +286,8 @@ def test_without_graph_updates_statistics():
         with context():
             out = call_op(block, x, "relu")
             expected = ref(x)
-        assert torch.equal(out, expected)
-        assert torch.equal(block[1].running_mean, ref[1].running_mean)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(block[1].running_mean, ref[1].running_mean, rtol=1e-5, atol=1e-6)
         assert torch.equal(block[1].num_batches_tracked, ref[1].num_batches_tracked)
 
 
@@ -312,7 +325,7 @@ def test_bad_arguments_name_them():
 
 @pytest.mark.parametrize("name", ["mobilenet_v2", "mobilenet_v3_large", "resnet18"])
 def test_optimize_training_step_equals_original(name):
-    # Without example_inputs every chain gets the op, untimed: on the CPU it runs ATen's kernels.
+    # Without example_inputs every chain gets the op, untimed: on the CPU its own engine (float32).
     model = train_model(name)
     x = torch.randn(2, 3, 64, 64)
     fast, report = opforge.optimize(model, report=True)
@@ -324,20 +337,22 @@ def test_optimize_training_step_equals_original(name):
     n = len(report.layers)
     assert str(report).endswith(f"{len(fused)} of {n} layers changed, {n - len(fused)} left")
     assert list(fast.state_dict()) == list(model.state_dict())
-    for _ in range(2):
-        assert torch.equal(step(fast, x), step(model, x))
+    # The first loss within float32's rounding; after an SGD step the BatchNorms over few values per
+    # channel make the loss ill-conditioned (both float32 runs move ~1e-2 from float64 on
+    # mobilenet_v2), so the weights after one step are compared, not a second loss.
+    torch.testing.assert_close(step(fast, x), step(model, x), rtol=1e-5, atol=1e-7)
     for (k, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b), k
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("name", ["mobilenet_v2", "resnet18"])
 def test_timed_training_chains_where_the_op_runs_aten(name):
-    """With example_inputs, a chain whose conv output opforge's own engine would not take (here, on
-    the CPU) never becomes the batch norm op, which would run the modules' kernels behind one more
+    """With example_inputs, a chain whose conv output opforge's own engine would not take (here,
+    float64) never becomes the batch norm op, which would run the modules' kernels behind one more
     call: its BatchNorm and activation stay modules, and its conv alone becomes opforge's layer
     (no activation fused) only where that timed faster forward and backward."""
-    model = train_model(name)
-    x = torch.randn(2, 3, 64, 64)
+    model = train_model(name).double()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
     assert not any(isinstance(m, opforge.nn.ConvBatchNorm2d) for m in fast.modules())
 
@@ -348,7 +363,7 @@ def test_timed_training_chains_where_the_op_runs_aten(name):
     chains = [layer for layer in report.layers if "BatchNorm2d" in layer.pattern]
     assert len(chains) == len(batch_norms(model))
     for layer in chains:
-        assert "would run ATen's kernels here (on the CPU)" in layer.reason, layer
+        assert "would run ATen's kernels here (float64)" in layer.reason, layer
         conv = fast.get_submodule(layer.conv)
         if layer.action == "left":
             assert type(conv) is torch.nn.Conv2d, layer
@@ -377,8 +392,16 @@ def test_timed_training_chains_where_the_op_runs_aten(name):
 def test_why_not_own_engine_names_the_reason():
     bn = torch.nn.BatchNorm2d(4)
     y = torch.randn(2, 4, 3, 3)
-    assert why_not_own_engine(y, bn) == "on the CPU"
-    assert why_not_own_engine(y.contiguous(memory_format=torch.channels_last), bn) == "on the CPU"
+    cl = y.contiguous(memory_format=torch.channels_last)
+    # The CPU engine takes NCHW and channels_last, float32 and the half types.
+    assert why_not_own_engine(y, bn) == ""
+    assert why_not_own_engine(cl, bn) == ""
+    assert why_not_own_engine(y.bfloat16(), bn) == ""  # float32 BatchNorm tensors with a half-type output
+    assert why_not_own_engine(cl.half(), copy.deepcopy(bn).half()) == ""
+    assert why_not_own_engine(y.double(), copy.deepcopy(bn).double()) == "float64"
+    assert why_not_own_engine(y[:1, :, :1, :1].contiguous(), bn) == "one value per channel"
+    assert why_not_own_engine(y[:, :, ::2], bn) == "a conv output neither NCHW nor channels_last"
+    assert why_not_own_engine(y.half(), copy.deepcopy(bn).double()) == "BatchNorm tensors of another dtype or device"
 
 
 @pytest.mark.cuda
@@ -402,8 +425,8 @@ def test_optimized_training_model_evaluates_as_original():
     step(model, x)
     fast.eval()
     model.eval()
-    with torch.no_grad():
-        assert torch.equal(fast(x), model(x))
+    with torch.no_grad():  # the running statistics from one step of each engine: within a rounding
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
     fast.train()
     fast.load_state_dict(model.state_dict())
 
@@ -420,7 +443,7 @@ def test_optimized_training_model_copies_saves_and_compiles():
     assert copied.bn1 is copied.conv1.batch_norm and loaded.bn1 is loaded.conv1.batch_norm
     expected = step(model, x)
     for m in (copied, loaded):
-        assert torch.equal(step(m, x), expected)
+        torch.testing.assert_close(step(m, x), expected, rtol=1e-4, atol=1e-6)
     compiled = torch.compile(opforge.optimize(train_model("resnet18")), fullgraph=True)
     torch.testing.assert_close(step(compiled, x), expected, rtol=1e-4, atol=1e-6)
     wide = opforge.optimize(train_model("resnet18")).to(torch.float64)

@@ -272,7 +272,9 @@ def test_training_mode_blocks_unshare_activations_and_keep_their_tails():
     for block in (m for m in fast.modules() if isinstance(m, torch.fx.GraphModule)):
         called = [block.get_submodule(n.target) for n in block.graph.nodes if n.op == "call_module"]
         assert not any(isinstance(m, identities) for m in called), block.code
-    x = torch.randn(2, 3, 32, 32)
+    # 64x64: at 32x32 layer4's BatchNorms normalize two values per channel, where any two
+    # roundings (opforge's CPU batch norm engine against ATen's) move the output by up to 1e-3.
+    x = torch.randn(2, 3, 64, 64)
     torch.testing.assert_close(fast(x), model(x), atol=1e-4, rtol=1e-4)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(fast.state_dict()[key], value, atol=1e-5, rtol=1e-5, msg=key)

@@ -1,13 +1,16 @@
 // conv2d_batch_norm: a training-mode Conv2d -> BatchNorm2d -> activation as
 // one op, with one autograd node, removing the host work of three module
-// calls and three autograd nodes. The convolution is ATen's. A channels_last
-// CUDA conv output goes to opforge's own batch norm + activation engine
-// (cuda/batch_norm_act.cu: three launches each way, the activation and its
-// derivative inside the batch norm's passes; values within a rounding of
-// the modules'). Everywhere else the op runs the kernels torch's modules run
-// (ATen's batch norm with the running-statistics update, the activation in
-// place), so values, gradients and running statistics equal theirs. Schema,
-// checks, kernel and autograd live here.
+// calls and three autograd nodes. The convolution is ATen's. The batch norm
+// and the activation run on opforge's own engine where it takes the conv
+// output: a channels_last CUDA tensor (cuda/batch_norm_act.cu: three
+// launches each way) or a float / half / bfloat16 CPU tensor, NCHW or
+// channels_last (cpu/batch_norm_act_cpu.cpp); the activation and its
+// derivative run inside the batch norm's passes, values within a rounding of
+// the modules'. Everywhere else (float64, NCHW on CUDA, fake tensors) the op
+// runs the kernels torch's modules run (ATen's batch norm with the
+// running-statistics update, the activation in place), so values, gradients
+// and running statistics equal theirs. Schema, checks, kernel and autograd
+// live here.
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
 #include <torch/library.h>
@@ -23,6 +26,7 @@
 
 #include "activation.h"
 #include "activation_aten.h"
+#include "cpu/batch_norm_act_cpu.h"
 #ifdef OPFORGE_WITH_CUDA
 #include "cuda/batch_norm_act.h"
 #endif
@@ -34,7 +38,8 @@ using opforge::autograd::Context;
 using opforge::autograd::Tensors;
 
 constexpr const char* kOp = "opforge.conv2d_batch_norm";
-// impl_index of opforge's own CUDA engine (ATen's are 0 native, 1 cuDNN, 2 MIOpen).
+// impl_index of opforge's own engine, CUDA or CPU by the tensors' device (ATen's are 0 native,
+// 1 cuDNN, 2 MIOpen).
 constexpr int64_t kOwnEngine = -1;
 
 using Optional = std::optional<at::Tensor>;
@@ -105,7 +110,8 @@ struct ForwardResult {
   int64_t impl_index = 0;
 };
 
-// The forward on ATen's kernels. keep_pre_act: keep bn(conv(x)) apart from
+// The forward, on opforge's own engine where it takes the conv output, else on ATen's
+// kernels. keep_pre_act: keep bn(conv(x)) apart from
 // the output (a graph is recorded and the activation's derivative reads it);
 // otherwise the activation runs in place on the batch norm's output.
 ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& bn_weight,
@@ -134,6 +140,12 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
     return r;
   }
 #endif
+  if (opforge::batch_norm::cpu_engine_takes(r.conv_out, bn_weight, bn_bias, running_mean)) {
+    std::tie(r.out, r.reserve) = opforge::batch_norm::cpu_forward(r.conv_out, bn_weight, bn_bias, running_mean,
+                                                                  running_var, momentum, eps, act);
+    r.impl_index = kOwnEngine;
+    return r;
+  }
   at::Tensor normed;
   std::tie(normed, r.save_mean, r.save_invstd, r.reserve, r.impl_index) =
       at::_batch_norm_impl_index(r.conv_out, bn_weight, bn_bias, running_mean, running_var, /*training=*/true, momentum,
@@ -172,11 +184,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward(
     const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& running_mean,
     const at::Tensor& running_var, const at::Tensor& save_mean, const at::Tensor& save_invstd,
     const at::Tensor& reserve, int64_t engine, double eps, std::array<bool, 3> mask) {
-#ifdef OPFORGE_WITH_CUDA
   if (engine == kOwnEngine) {
-    return opforge::batch_norm::cuda_backward(grad_out, conv_out, bn_weight, bn_bias, reserve, act, mask);
-  }
+#ifdef OPFORGE_WITH_CUDA
+    if (conv_out.is_cuda()) {
+      return opforge::batch_norm::cuda_backward(grad_out, conv_out, bn_weight, bn_bias, reserve, act, mask);
+    }
 #endif
+    return opforge::batch_norm::cpu_backward(grad_out, conv_out, bn_weight, bn_bias, reserve, act, mask);
+  }
   const at::Tensor grad = opforge::activation_backward(grad_out, act, kept);
   // ATen's engines called by name where they can be: their shape functions trace with symbolic
   // sizes, which the by-index dispatcher's empty-batch test does not.

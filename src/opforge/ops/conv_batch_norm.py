@@ -10,15 +10,19 @@ momentum, eps, activation)`` equals::
     num_batches_tracked += 1      # when given, with running statistics
     activation(y)                 # None, "relu", "relu6", "hardswish", "silu"
 
-with ATen's convolution. The batch norm and the activation run on ATen's
-kernels (then the output, the gradients and the updated running statistics
-are exactly those of ``nn.Conv2d``, ``nn.BatchNorm2d`` in training mode and
-the activation module), except for a channels_last CUDA conv output, which
-goes to opforge's own batch norm + activation engine: three launches each
-way, the activation and its derivative inside the batch norm's passes,
-values within a rounding of the modules'. What it saves is host time (one
-op call and one autograd node instead of three modules, three calls and
-three nodes) and, on the own engine, the activation's passes over memory.
+with ATen's convolution. The batch norm and the activation run on opforge's
+own engine where it takes the conv output: on the CPU a float32, float16 or
+bfloat16 output, NCHW or channels_last (csrc/cpu/batch_norm_act_cpu.cpp:
+two passes for the statistics, one for the output, the activation inside;
+parallel over channels or over blocks of rows); on CUDA a channels_last one
+(csrc/cuda/batch_norm_act.cu: three launches each way). Its values are
+within a rounding of the modules'. Elsewhere (float64, an NCHW CUDA output,
+fake tensors) the op runs ATen's kernels, and the output, the gradients and
+the updated running statistics are exactly those of ``nn.Conv2d``,
+``nn.BatchNorm2d`` in training mode and the activation module. What it
+saves is host time (one op call and one autograd node instead of three
+modules, three calls and three nodes) and, on the own engine, the
+activation's passes over memory.
 
 - ``x`` (N, C, H, W), ``weight`` (K, C / groups, kH, kW), both of one dtype;
   ``bias``, ``bn_weight``, ``bn_bias``, ``running_mean``, ``running_var``
@@ -29,8 +33,9 @@ three nodes) and, on the own engine, the activation's passes over memory.
   ``nn.BatchNorm2d``'s own job). Without them the batch's statistics alone
   normalize, as in ``nn.BatchNorm2d(track_running_stats=False)``.
 - Every floating dtype the three modules take; CPU and CUDA.
-- Gradients for x, weight, bias, bn_weight and bn_bias; the backward is
-  ATen's (the activation's derivative, the batch norm's, the convolution's).
+- Gradients for x, weight, bias, bn_weight and bn_bias: the activation's
+  derivative and the batch norm's on the engine the forward ran, then ATen's
+  convolution backward.
 
 ``opforge.nn.ConvBatchNorm2d`` is the module; ``opforge.optimize`` puts it
 in training models.
@@ -68,7 +73,7 @@ def conv2d_batch_norm(
     >>> y = opforge.conv2d_batch_norm(x, w, None, None, None, mean, var, padding=1, activation="relu")
     >>> ref = torch.relu(torch.nn.functional.batch_norm(torch.nn.functional.conv2d(x, w, padding=1), None, None,
     ...                                                 training=True))
-    >>> torch.equal(y, ref), bool(mean.abs().sum() > 0)
+    >>> torch.allclose(y, ref, atol=1e-5), bool(mean.abs().sum() > 0)
     (True, True)
     """
     return _conv2d_batch_norm(
@@ -90,25 +95,32 @@ def conv2d_batch_norm(
     )
 
 
-# The dtypes of a conv output that opforge's own CUDA batch norm engine takes.
+# The dtypes of a conv output that opforge's own batch norm engines (CPU and CUDA) take.
 _OWN_ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def why_not_own_engine(conv_out: torch.Tensor, bn: torch.nn.BatchNorm2d) -> str:
     """Why ``conv2d_batch_norm`` would run ``bn`` on ``conv_out`` with ATen's kernels, in a few
-    words; "" where it runs opforge's own CUDA engine.
+    words; "" where it runs opforge's own engine.
 
-    The rule of ``cuda_engine_takes`` (csrc/cuda/batch_norm_act.cu): a 4-d
-    channels_last CUDA tensor of float32, float16 or bfloat16 with more than
-    one value per channel, and BatchNorm tensors on its device, contiguous,
-    all of one dtype (its own or float32), in a build with CUDA kernels."""
+    The rules of ``cpu_engine_takes`` (csrc/cpu/batch_norm_act_cpu.cpp) and
+    ``cuda_engine_takes`` (csrc/cuda/batch_norm_act.cu): a 4-d tensor of
+    float32, float16 or bfloat16 with more than one value per channel, NCHW
+    or channels_last on the CPU, channels_last on CUDA (in a build with CUDA
+    kernels), and BatchNorm tensors on its device, contiguous, all of one
+    dtype (its own or float32)."""
     y = conv_out
-    if not y.is_cuda:
+    if y.device.type not in ("cpu", "cuda"):
         return f"on the {y.device.type.upper()}"
     if y.dtype not in _OWN_ENGINE_DTYPES:
         return str(y.dtype).removeprefix("torch.")
-    if y.dim() != 4 or not y.is_contiguous(memory_format=torch.channels_last):
+    if y.dim() != 4:
+        return "not a 4-d conv output"
+    channels_last = y.is_contiguous(memory_format=torch.channels_last)
+    if y.is_cuda and not channels_last:
         return "an NCHW conv output"
+    if not y.is_cuda and not (channels_last or y.is_contiguous()):
+        return "a conv output neither NCHW nor channels_last"
     if y.numel() == 0 or y.numel() // y.size(1) < 2:
         return "one value per channel"
     params = [t for t in (bn.weight, bn.bias, bn.running_mean) if t is not None]
@@ -116,6 +128,8 @@ def why_not_own_engine(conv_out: torch.Tensor, bn: torch.nn.BatchNorm2d) -> str:
         return "BatchNorm tensors of another dtype or device"
     if len({t.dtype for t in params}) > 1:
         return "BatchNorm tensors of mixed dtypes"
+    if not y.is_cuda:
+        return ""
     from .._loader import build_info
 
     return "" if build_info().get("cuda", "none") != "none" else "a build without CUDA kernels"
