@@ -110,7 +110,9 @@ def check_against_float64(block, x, activation, grad=None):
             # 0 in exact arithmetic (a bias before a training BatchNorm): rounding noise summed over
             # the batch, of the size of the conv weight's gradient (a sum over as many values).
             scale = max(scale, ref_block[0].weight.grad.abs().max().item())
-        torch.testing.assert_close(actual.double(), expected, rtol=0, atol=tol * scale, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            actual.double(), expected, rtol=0, atol=tol * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
     if mine[1].track_running_stats:
         assert int(mine[1].num_batches_tracked) == int(ref_block[1].num_batches_tracked) == 1
     return out

@@ -313,11 +313,11 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
 def _train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tensor | None) -> LayerReport:
     """A training-mode conv -> BatchNorm [-> activation] as one ``ConvBatchNorm2d`` where it pays.
 
-    The op pays on its own CUDA batch norm engine (channels_last conv
-    outputs): it saves the host time of ATen's batch norm and of the
-    activation's passes, which outweighs the few microseconds of GPU time it
-    loses on some small layers (docs/ops/conv_batch_norm.md). Elsewhere it
-    runs ATen's kernels, as the modules do, and its one call measured no
+    The op pays on its own batch norm engines (CPU float32 / half types,
+    CUDA channels_last conv outputs): they save the host time of ATen's
+    batch norm and the activation's passes, which on CUDA outweighs the few
+    microseconds of GPU time lost on some small layers
+    (docs/ops/conv_batch_norm.md). Elsewhere the op runs ATen's kernels, as the modules do, and its one call measured no
     faster than their three; so with ``example_inputs`` (``x``, the conv's
     input) the modules stay wherever the engine would not take the layer.
     Without them the op is put in untimed and picks its engine per call."""
@@ -341,7 +341,7 @@ def _train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tens
                 "and its one call is no faster than their three"
             )
             return _train_conv_alone(model, chain, conv, act, pattern, x, why)
-        how = "opforge's batch norm engine on this channels_last conv output"
+        how = "opforge's batch norm engine on this conv output"
     act_name = _FUSABLE_ACTIVATIONS.get(type(act))
     batch_norm = BatchNormInConv.of(bn)
     _set(model, chain.conv, ConvBatchNorm2d.of(conv, batch_norm, act_name))

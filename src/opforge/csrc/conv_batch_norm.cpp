@@ -141,8 +141,8 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
   }
 #endif
   if (opforge::batch_norm::cpu_engine_takes(r.conv_out, bn_weight, bn_bias, running_mean)) {
-    std::tie(r.out, r.reserve) = opforge::batch_norm::cpu_forward(r.conv_out, bn_weight, bn_bias, running_mean,
-                                                                  running_var, momentum, eps, act);
+    std::tie(r.out, r.reserve) =
+        opforge::batch_norm::cpu_forward(r.conv_out, bn_weight, bn_bias, running_mean, running_var, momentum, eps, act);
     r.impl_index = kOwnEngine;
     return r;
   }

@@ -62,8 +62,8 @@ std::tuple<at::Tensor, at::Tensor> cpu_forward(const at::Tensor& y, const at::Te
   at::Tensor out = at::empty_like(y);
   at::Tensor stats = at::empty({kCpuStats, y.size(1)}, y.options().dtype(at::kFloat));
   // running_var is checked as running_mean is (the op's checks: same shape, given together).
-  TORCH_CHECK(!running_var.defined() || (running_var.is_contiguous() &&
-                                         running_var.scalar_type() == running_mean.scalar_type()),
+  TORCH_CHECK(!running_var.defined() ||
+                  (running_var.is_contiguous() && running_var.scalar_type() == running_mean.scalar_type()),
               "opforge.conv2d_batch_norm: running_var must be contiguous with running_mean's dtype");
   CpuForwardArgs a{};
   a.layout = layout_of(y);

@@ -34,9 +34,9 @@ using conv_detail::act_vec;
 using conv_detail::VecIo;
 using Vf = at::vec::Vectorized<float>;
 constexpr int L = Vf::size();
-constexpr int64_t kFlush = 256;           // rows (or vectors of a plane) summed in float before a double add
-constexpr int64_t kGrain = 32 * 1024;     // values a task handles at least: less is not worth a thread
-constexpr int kChunkVecs = 4;             // channel vectors a channels_last pass keeps in registers
+constexpr int64_t kFlush = 256;        // rows (or vectors of a plane) summed in float before a double add
+constexpr int64_t kGrain = 32 * 1024;  // values a task handles at least: less is not worth a thread
+constexpr int kChunkVecs = 4;          // channel vectors a channels_last pass keeps in registers
 
 // v rounded to T and back (the half types), as a tensor of T holds it.
 template <typename T>
@@ -125,9 +125,7 @@ struct NormalizeOp {
   struct Coefs {
     Vf scale, shift;
   };
-  Coefs at(int64_t c, int n, bool per_lane) const {
-    return {coef(scale, c, n, per_lane), coef(shift, c, n, per_lane)};
-  }
+  Coefs at(int64_t c, int n, bool per_lane) const { return {coef(scale, c, n, per_lane), coef(shift, c, n, per_lane)}; }
   void write(int64_t off, const Coefs& k, int n) const {
     const Vf z = rounded<T>(at::vec::fmadd(load(y + off, n), k.scale, k.shift));
     store(out + off, act_vec(z, act), n);
@@ -174,8 +172,8 @@ struct GradInputOp {
     Vf scale, shift, a, b, d;
   };
   Coefs at(int64_t c, int n, bool per_lane) const {
-    return {coef(scale, c, n, per_lane), coef(shift, c, n, per_lane), coef(a, c, n, per_lane),
-            coef(b, c, n, per_lane), coef(d, c, n, per_lane)};
+    return {coef(scale, c, n, per_lane), coef(shift, c, n, per_lane), coef(a, c, n, per_lane), coef(b, c, n, per_lane),
+            coef(d, c, n, per_lane)};
   }
   void write(int64_t off, const Coefs& k, int n) const {
     const Vf yv = load(y + off, n);
@@ -225,8 +223,8 @@ inline void write_channel(const CpuLayout& g, int64_t c, const Op& op) {
 // Sums of op over rows [r0, r1) for NV channel vectors from c0 (the last one
 // n_last lanes wide), added to s0[c], s1[c].
 template <int NV, typename Op>
-inline void sum_rows_chunk(const CpuLayout& g, int64_t r0, int64_t r1, int64_t c0, int n_last, const Op& op,
-                           double* s0, double* s1) {
+inline void sum_rows_chunk(const CpuLayout& g, int64_t r0, int64_t r1, int64_t c0, int n_last, const Op& op, double* s0,
+                           double* s1) {
   typename Op::Coefs k[NV];
   for (int j = 0; j < NV; ++j) k[j] = op.at(c0 + j * L, j == NV - 1 ? n_last : L, true);
   for (int64_t rs = r0; rs < r1; rs += kFlush) {
@@ -421,8 +419,8 @@ void backward(const CpuBackwardArgs& a) {
   const float* shift = a.stats + batch_norm::kCpuShift * C;
   const GradSumOp<T> sums_op{grad, y, mean, scale, shift, a.act};
   std::vector<float> coefs(static_cast<size_t>(3 * C));
-  const GradInputOp<T> input_op{grad,          y, static_cast<T*>(a.dy), scale, shift, coefs.data(), coefs.data() + C,
-                                coefs.data() + 2 * C, a.act};
+  const GradInputOp<T> input_op{
+      grad, y, static_cast<T*>(a.dy), scale, shift, coefs.data(), coefs.data() + C, coefs.data() + 2 * C, a.act};
   if (!g.channels_last) {
     const int64_t grain = std::max<int64_t>(1, kGrain / (g.N * g.HW));
     at::parallel_for(0, C, grain, [&](int64_t c0, int64_t c1) {
@@ -458,15 +456,13 @@ void with_types(c10::ScalarType dtype, c10::ScalarType param_dtype, const F& f) 
 }  // namespace bn_detail
 
 void batch_norm_act_forward(const batch_norm::CpuForwardArgs& a) {
-  bn_detail::with_types(a.dtype, a.param_dtype, [&](auto t, auto w) {
-    bn_detail::forward<decltype(t), decltype(w)>(a);
-  });
+  bn_detail::with_types(a.dtype, a.param_dtype,
+                        [&](auto t, auto w) { bn_detail::forward<decltype(t), decltype(w)>(a); });
 }
 
 void batch_norm_act_backward(const batch_norm::CpuBackwardArgs& a) {
-  bn_detail::with_types(a.dtype, a.param_dtype, [&](auto t, auto w) {
-    bn_detail::backward<decltype(t), decltype(w)>(a);
-  });
+  bn_detail::with_types(a.dtype, a.param_dtype,
+                        [&](auto t, auto w) { bn_detail::backward<decltype(t), decltype(w)>(a); });
 }
 
 }  // namespace opforge::cpu::CPU_CAPABILITY

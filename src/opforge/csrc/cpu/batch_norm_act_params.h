@@ -36,10 +36,10 @@ struct CpuForwardArgs {
 struct CpuBackwardArgs {
   CpuLayout layout;
   c10::ScalarType dtype, param_dtype;
-  const void *grad, *y;  // grad laid out as y
-  void* dy;              // null: not asked for
+  const void *grad, *y;           // grad laid out as y
+  void* dy;                       // null: not asked for
   void *grad_weight, *grad_bias;  // null: not asked for
-  const float* stats;  // the forward's table
+  const float* stats;             // the forward's table
   Activation act;
 };
 
