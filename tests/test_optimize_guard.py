@@ -17,9 +17,8 @@ optimize_module = importlib.import_module("opforge.optimize")
 
 @pytest.fixture
 def layers_win(monkeypatch):
-    monkeypatch.setattr(
-        optimize_module, "faster_with_opforge", lambda *a, **k: (True, "measured 1.0 us vs 2.0 us", 1.0)
-    )
+    for module in (optimize_module, importlib.import_module("opforge.optimize_train_chain")):
+        monkeypatch.setattr(module, "faster_with_opforge", lambda *a, **k: (True, "measured 1.0 us vs 2.0 us", 1.0))
     monkeypatch.setattr(optimize_module, "faster_under_compile", lambda *a, **k: (True, "GPU time"))
     monkeypatch.setattr(optimize_module, "folding_pays", lambda *a, **k: (True, ""))
     monkeypatch.setattr(optimize_module, "choose_channels_last", lambda model, inputs: (False, ""))

@@ -74,15 +74,14 @@ import functools
 
 import torch
 
-from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
-from .ops.conv_batch_norm import why_not_own_engine
-from .optimize_blocks import has_hooks, restore_unchanged_blocks, rewrite_blocks, skip_identity_calls
+from .optimize_blocks import restore_unchanged_blocks, rewrite_blocks, skip_identity_calls
 from .optimize_choice import ConvCandidate, PrepackedCandidate, faster_under_compile, faster_with_opforge, folding_pays
 from .optimize_fold import as_installed, folded_conv
 from .optimize_guard import ModelState, keep_optimized
 from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
 from .optimize_part import choose_part_layout
 from .optimize_patterns import (
+    FUSABLE_ACTIVATIONS,
     Chain,
     describe_conv,
     find_chains,
@@ -90,19 +89,13 @@ from .optimize_patterns import (
     is_opforge_layer,
     is_scripted,
     run_watched,
+    set_submodule,
     uses_batch_statistics,
 )
 from .optimize_report import LayerReport, OptimizeReport
 from .optimize_residual import apply_tail
 from .optimize_squeeze import apply_squeeze_blocks, find_squeeze_blocks
-
-# The activation modules conv2d_3x3 fuses, by its name for them.
-_FUSABLE_ACTIVATIONS = {
-    torch.nn.ReLU: "relu",
-    torch.nn.ReLU6: "relu6",
-    torch.nn.Hardswish: "hardswish",
-    torch.nn.SiLU: "silu",
-}
+from .optimize_train_chain import train_chain
 
 
 def optimize(
@@ -245,7 +238,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
     kept = (conv, bn) if bn is not None else (conv,)
     target, fold_note = conv, ""
     if bn is not None and (conv.training or uses_batch_statistics(bn)):
-        return _train_chain(model, chain, conv, bn, act, pattern, x if timed else None)
+        return train_chain(model, chain, conv, bn, act, pattern, x if timed else None)
     if bn is not None:
         target = folded_conv(conv, bn)
         installed = as_installed(target)
@@ -258,12 +251,12 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
 
     def leave(reason: str) -> LayerReport:
         if folded_kept:
-            _set(model, chain.conv, kept[0])
-            _set(model, chain.bn, torch.nn.Identity())
+            set_submodule(model, chain.conv, kept[0])
+            set_submodule(model, chain.bn, torch.nn.Identity())
             return LayerReport(chain.conv, pattern, "BatchNorm folded", reason)
         return LayerReport(chain.conv, pattern, "left", "; ".join(r for r in (fold_note, reason) if r))
 
-    act_name = _FUSABLE_ACTIVATIONS.get(type(act))
+    act_name = FUSABLE_ACTIVATIONS.get(type(act))
     # opforge's fused op where it has one; for inference also the vendor's fused conv (timed only).
     own = ConvCandidate.of(target, act_name)
     candidates = [own] + ([] if force else [PrepackedCandidate.of(target, act_name, x)])
@@ -299,80 +292,15 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
         layer.torch_when_compiled = not compiled_win
         why += "; " + compiled_why
         compiled_note = "" if compiled_win else "; torch's conv under torch.compile"
-    _set(model, chain.conv, layer)
+    set_submodule(model, chain.conv, layer)
     actions = []
     if bn is not None:
-        _set(model, chain.bn, torch.nn.Identity())
+        set_submodule(model, chain.bn, torch.nn.Identity())
         actions.append("BatchNorm folded")
     if act_name is not None:
-        _set(model, chain.act, torch.nn.Identity())
+        set_submodule(model, chain.act, torch.nn.Identity())
     actions.append(candidate.label + (f" + {type(act).__name__} fused" if act_name else "") + compiled_note)
     return LayerReport(chain.conv, pattern, ", ".join(actions), why)
-
-
-def _train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tensor | None) -> LayerReport:
-    """A training-mode conv -> BatchNorm [-> activation] as one ``ConvBatchNorm2d`` where it pays.
-
-    The op pays on its own batch norm engines (CPU float32 / half types,
-    CUDA channels_last conv outputs): they save the host time of ATen's
-    batch norm and the activation's passes, which on CUDA outweighs the few
-    microseconds of GPU time lost on some small layers
-    (docs/ops/conv_batch_norm.md). Elsewhere the op runs ATen's kernels, as the modules do, and its one call measured no
-    faster than their three; so with ``example_inputs`` (``x``, the conv's
-    input) the modules stay wherever the engine would not take the layer.
-    Without them the op is put in untimed and picks its engine per call."""
-    why = "training mode: BatchNorm is not folded"
-    if not isinstance(bn, torch.nn.BatchNorm2d):  # FrozenBatchNorm2d: folded, the conv would train another weight
-        return LayerReport(chain.conv, pattern, "left", f"{why}; {type(bn).__name__} is folded in eval mode only")
-    if type(conv) is not torch.nn.Conv2d or type(bn) is not torch.nn.BatchNorm2d or not bn.training:
-        return LayerReport(chain.conv, pattern, "left", f"{why}; not a plain Conv2d and training BatchNorm2d")
-    if bn.momentum is None:
-        return LayerReport(chain.conv, pattern, "left", f"{why}; momentum=None (a cumulative average) is kept")
-    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-        return LayerReport(chain.conv, pattern, "left", f"{why}; padding_mode or string padding is kept")
-    how = "not timed"
-    if x is not None:
-        with torch.no_grad():
-            conv_out = conv(x)
-        where = why_not_own_engine(conv_out, bn)
-        if where:
-            why += (
-                f"; opforge.conv2d_batch_norm would run ATen's kernels here ({where}), as the modules do, "
-                "and its one call is no faster than their three"
-            )
-            return _train_conv_alone(model, chain, conv, act, pattern, x, why)
-        how = "opforge's batch norm engine on this conv output"
-    act_name = _FUSABLE_ACTIVATIONS.get(type(act))
-    batch_norm = BatchNormInConv.of(bn)
-    _set(model, chain.conv, ConvBatchNorm2d.of(conv, batch_norm, act_name))
-    _set(model, chain.bn, batch_norm)
-    action = "conv + BatchNorm" + (f" + {type(act).__name__}" if act_name else "") + " as one op"
-    if act_name is not None:
-        _set(model, chain.act, torch.nn.Identity())
-    return LayerReport(
-        chain.conv,
-        pattern,
-        action,
-        f"{why}; opforge.conv2d_batch_norm: one call and one autograd node ({how})",
-    )
-
-
-def _train_conv_alone(model, chain: Chain, conv, act, pattern: str, x: torch.Tensor, why: str) -> LayerReport:
-    """A training chain the batch norm op would not speed up: its conv alone as opforge's layer,
-    the BatchNorm and activation kept as modules, where that times faster (forward + backward) on
-    ``x``. Nothing is folded, so training numerics are the conv's own within its rounding."""
-    own = ConvCandidate.of(conv, None)
-    if own is None:
-        return LayerReport(chain.conv, pattern, "left", f"{why}; opforge has no kernel for this conv")
-    if has_hooks(conv):
-        return LayerReport(chain.conv, pattern, "left", f"{why}; the conv has hooks, which a new module would drop")
-    win, times, _ = faster_with_opforge(own, None, x)
-    if not win:
-        return LayerReport(chain.conv, pattern, "left", f"{why}; the conv alone as {own.label}: {times}")
-    _set(model, chain.conv, own.module())
-    kept = "BatchNorm2d" + (f" and {type(act).__name__}" if act is not None else "")
-    action = f"{own.label} ({kept} kept)"
-    return LayerReport(chain.conv, pattern, action, f"{why}; the conv alone: {times}")
 
 
 def _layer_inputs(model: torch.nn.Module, names: list[str], example_inputs: tuple) -> dict[str, tuple]:
@@ -391,8 +319,3 @@ def _layer_inputs(model: torch.nn.Module, names: list[str], example_inputs: tupl
 
     run_watched(model, example_inputs, {name: functools.partial(keep, name) for name in names})
     return seen
-
-
-def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, module)

@@ -46,6 +46,7 @@ from .optimize_patterns import (
     describe_conv,
     is_kind,
     is_scripted,
+    set_submodule,
     trace_or_none,
     uses_batch_statistics,
 )
@@ -102,7 +103,7 @@ def rewrite_blocks(model: torch.nn.Module) -> tuple[list[ResidualTail], dict[str
         for key, value in [*_class_constants(type(block)).items(), *vars(block).items()]:
             if not key.startswith("_") and not hasattr(rewritten, key):
                 setattr(rewritten, key, value)
-        _set(model, name, rewritten)
+        set_submodule(model, name, rewritten)
         originals[name] = block
         tails += [dataclasses.replace(t, name=f"{name}.{t.name}") for t in block_tails]
         done.append(name)
@@ -115,7 +116,7 @@ def restore_unchanged_blocks(model: torch.nn.Module, originals: dict[str, torch.
     are the rewrite's own (the unshared activations aside), so the state is the same tensors."""
     for name, block in originals.items():
         if not any(c.startswith(name + ".") for c in changed):
-            _set(model, name, block)
+            set_submodule(model, name, block)
 
 
 def skip_identity_calls(model: torch.nn.Module, originals: dict[str, torch.nn.Module]) -> int:
@@ -372,8 +373,3 @@ def _unshare_activations(graph: torch.fx.Graph, modules: dict) -> int:
         node.target = name
         count += 1
     return count
-
-
-def _set(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, module)

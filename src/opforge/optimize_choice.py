@@ -15,6 +15,7 @@ beats the conv alone plus that one pass, on the GPU's own clock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -299,3 +300,21 @@ def faster_with_opforge(
     result = (win, f"measured {ours_us:.1f} us vs {theirs_us:.1f} us for torch's layers", ours_us)
     _cache[key] = result
     return result
+
+
+def training_times_us(candidate, act: torch.nn.Module | None, x: torch.Tensor, options: dict, extra: tuple = ()):
+    """Forward + backward time (us) of each option (name: modules run in turn on ``x``), cached per
+    process by the layer's key (``candidate``: its ``op`` and ``conv``; ``act``; ``extra``) and the name."""
+    key = _key(candidate, act, x) + tuple(extra)
+    times = {}
+    for name, modules in options.items():
+        if key + (name,) not in _cache:
+            _cache[key + (name,)] = _median_us(functools.partial(_run, modules, None, x, True), x.device)
+        times[name] = _cache[key + (name,)]
+    return times
+
+
+def winner(times: dict[str, float], incumbent: str) -> str:
+    """The fastest option, unless it is not ``_MARGIN`` faster than ``incumbent``: a tie keeps what is there."""
+    best = min(times, key=times.get)
+    return best if times[best] * _MARGIN <= times[incumbent] else incumbent

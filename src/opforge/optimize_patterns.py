@@ -27,6 +27,13 @@ from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 
 # The activations a chain may end with (the ones opforge may fuse or report on).
 ACTIVATIONS = (torch.nn.ReLU, torch.nn.ReLU6, torch.nn.Hardswish, torch.nn.SiLU)
+# Their names as opforge's kernels take them in a fused epilogue.
+FUSABLE_ACTIVATIONS = {
+    torch.nn.ReLU: "relu",
+    torch.nn.ReLU6: "relu6",
+    torch.nn.Hardswish: "hardswish",
+    torch.nn.SiLU: "silu",
+}
 
 
 def batch_norm_kinds() -> tuple[type, ...]:
@@ -302,3 +309,9 @@ def describe_conv(conv: torch.nn.Conv2d) -> str:
     k = "x".join(str(v) for v in conv.kernel_size)
     kind = "depthwise" if conv.groups == conv.in_channels and conv.groups > 1 else f"groups {conv.groups}"
     return f"Conv2d({k}, {'dense' if conv.groups == 1 else kind}, s{conv.stride[0]})"
+
+
+def set_submodule(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put ``module`` at ``name`` (a dotted path) in ``model``."""
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)

@@ -17,6 +17,7 @@ import torch
 from .nn_squeeze_excitation import SqueezeExcitation, why_not_fusable
 from .optimize_blocks import has_hooks
 from .optimize_choice import _MARGIN, _cache, _layout, _median_us, _run
+from .optimize_patterns import set_submodule
 from .optimize_report import LayerReport
 
 PATTERN = "SqueezeExcitation (avgpool -> fc1 -> activation -> fc2 -> scale_activation -> mul)"
@@ -77,7 +78,6 @@ def apply_squeeze_blocks(
             if not win:
                 rows.append(LayerReport(name, PATTERN, "left", reason))
                 continue
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, fused)
+        set_submodule(model, name, fused)
         rows.append(LayerReport(name, PATTERN, "one opforge.squeeze_excitation call", reason))
     return rows
