@@ -241,3 +241,19 @@ def test_optimize_leaves_hooked_and_subclassed_blocks():
     assert type(fast[0]) is TorchvisionSE and type(fast[1]) is Gated
     rows = [r for r in report.layers if r.pattern.startswith("SqueezeExcitation")]
     assert len(rows) == 1 and "hooks" in rows[0].reason
+
+
+def test_training_block_holds_the_models_parameters():
+    """In training the fused block holds the block's own Parameter objects: an optimizer built on
+    the model before optimize(..., inplace=True) steps them."""
+    model = torch.nn.Sequential(TorchvisionSE(16, 4)).train()
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fast = opforge.optimize(model, inplace=True, force=True)
+    assert isinstance(fast[0], opforge.nn.SqueezeExcitation)
+    assert {n: p for n, p in fast.named_parameters()}.keys() == params.keys()
+    assert all(p is params[n] for n, p in fast.named_parameters())
+    before = fast[0].fc1.weight.detach().clone()
+    fast(torch.randn(2, 16, 5, 5)).square().sum().backward()
+    opt.step()
+    assert not torch.equal(fast[0].fc1.weight, before)

@@ -65,6 +65,13 @@ def apply_squeeze_blocks(
             rows.append(LayerReport(name, PATTERN, "left", why))
             continue
         fused = SqueezeExcitation.from_module(block)
+        if block.training:
+            # The block's own Parameter objects, not copies: an optimizer built on the model before
+            # optimize(..., inplace=True) keeps stepping them (as ConvCandidate.module does).
+            for mine, theirs in ((fused.fc1, block.fc1), (fused.fc2, block.fc2)):
+                mine.weight = theirs.weight
+                if theirs.bias is not None:
+                    mine.bias = theirs.bias
         if force:
             reason = "force=True: not timed"
         elif not measured:
