@@ -8,30 +8,11 @@ import copy
 
 import pytest
 import torch
+from batch_norm_cases import ACTIVATIONS, BATCH_NORMS, JUMP_WIDTH, TOLERANCE, away_from_jumps_of
 from reference import poisoned
 
 import opforge
 from opforge.ops.conv_batch_norm import why_not_own_engine
-
-ACTIVATIONS = {
-    None: torch.nn.Identity,
-    "relu": torch.nn.ReLU,
-    "relu6": torch.nn.ReLU6,
-    "hardswish": torch.nn.Hardswish,
-    "silu": torch.nn.SiLU,
-}
-JUMPS = {"relu": (0.0,), "relu6": (0.0, 6.0), "hardswish": (-3.0, 3.0)}
-# Error allowed, relative to the largest value compared (at least 1), and how far from a jump of the
-# activation's derivative the float64 pre-activation must lie for its gradient to be compared: the
-# conv's rounding in the dtype moves the pre-activation by about that much.
-TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
-JUMP_WIDTH = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 0.25}
-BATCH_NORMS = {
-    "affine": dict(),
-    "no_affine": dict(affine=False),
-    "no_running": dict(track_running_stats=False),
-    "float_params": dict(float_params=True),
-}
 
 
 def make_block(channels_in, channels, dtype, activation, bn, channels_last, bias=True):
@@ -68,10 +49,7 @@ def call_op(block, x, activation):
 def away_from_jumps(ref_block, x64, activation, width):
     with torch.no_grad():
         z = copy.deepcopy(ref_block)[:2](x64)
-    keep = torch.ones_like(z, dtype=torch.bool)
-    for point in JUMPS.get(activation, ()):
-        keep &= (z - point).abs() > width * max(abs(point), 1.0)
-    return keep
+    return away_from_jumps_of(z, activation, width)
 
 
 def check_against_float64(block, x, activation, grad=None):

@@ -33,13 +33,20 @@ def opforge_always_wins(monkeypatch):
 
 
 def fixed_chain_times(monkeypatch, **times_us):
-    """The CPU's three training-chain timings fixed: torch, op, alone (us); returns the timed options."""
+    """The CPU's training-chain timings fixed (us): torch, op (the chain as one op), alone (opforge's
+    conv alone), conv_op (opforge's conv, then the batch norm op); returns the timed options."""
     seen = []
+
+    def kind(name):
+        if name.endswith(" alone"):
+            return "alone"
+        if name.endswith(" + batch norm op"):
+            return "conv_op"
+        return {"torch's layers": "torch", "one op": "op"}[name]
 
     def times(candidate, act, x, options, extra=()):
         seen.append(dict(options))
-        names = {"torch's layers": "torch", "one op": "op"}
-        return {name: times_us[names.get(name, "alone")] for name in options}
+        return {name: times_us[kind(name)] for name in options}
 
     monkeypatch.setattr(train_chain_module, "training_times_us", times)
     return seen
@@ -110,7 +117,7 @@ def test_eval_mode_is_unchanged_by_the_training_choice(opforge_always_wins, layo
 
 
 def test_cpu_chain_as_one_op_where_it_times_fastest(monkeypatch):
-    seen = fixed_chain_times(monkeypatch, torch=3.0, op=2.0, alone=2.5)
+    seen = fixed_chain_times(monkeypatch, torch=3.0, op=2.0, alone=2.5, conv_op=2.2)
     model = train_model("mobilenet_v2")
     x = torch.randn(2, 3, 64, 64)
     reference, reference64 = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -119,8 +126,8 @@ def test_cpu_chain_as_one_op_where_it_times_fastest(monkeypatch):
     assert chains and all(r.action.endswith("as one op") for r in chains), chains[0]
     assert all("one op 2.0 us" in r.reason and "torch's layers 3.0 us" in r.reason for r in chains)
     assert len([m for m in fast.modules() if isinstance(m, opforge.nn.ConvBatchNorm2d)]) == len(chains)
-    # Each chain timed three ways; the modules timed are the model's conv and a copy of its BatchNorm.
-    assert seen and all(len(options) == 3 for options in seen)
+    # Each chain timed four ways (every conv of mobilenet_v2 has an opforge kernel).
+    assert seen and all(len(options) == 4 for options in seen)
     # One step against float64: opforge's rounding no worse than the float32 modules' own (a
     # BatchNorm over few values per channel makes the step ill-conditioned in float32 either way).
     losses = step(fast, x), step(reference, x), step(reference64, x.double())
@@ -132,8 +139,35 @@ def test_cpu_chain_as_one_op_where_it_times_fastest(monkeypatch):
         assert our_error <= 4 * their_error + 1e-6, (key, our_error, their_error)
 
 
+def test_cpu_chain_as_opforge_conv_then_batch_norm_op(monkeypatch):
+    fixed_chain_times(monkeypatch, torch=3.0, op=2.0, alone=2.5, conv_op=1.5)
+    model = train_model("mobilenet_v3_large")
+    x = torch.randn(2, 3, 64, 64)
+    reference, reference64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    params = dict(model.named_parameters())
+    fast, report = opforge.optimize(model, example_inputs=(x,), report=True, inplace=True)
+    # Its 5x5 depthwise convs have no opforge kernel: those chains are the conv2d_batch_norm op.
+    chains = [r for r in report.layers if "BatchNorm2d" in r.pattern and "5x5" not in r.pattern]
+    assert chains and all(r.action.endswith("as one op") and ", BatchNorm" in r.action for r in chains)
+    assert all(r.action.startswith("conv + BatchNorm") for r in report.layers if "5x5" in r.pattern)
+    fused = [m for m in fast.modules() if isinstance(m, opforge.nn.BatchNormAct2d)]
+    assert len(fused) == len(chains)
+    assert all(type(fast.get_submodule(r.conv)) in (opforge.nn.Conv2d3x3, opforge.nn.Conv2d1x1) for r in chains)
+    assert {m.activation for m in fused} == {None, "relu", "hardswish"}
+    # The model's own parameters under their names, and the state_dict's keys.
+    assert all(p is params[name] for name, p in fast.named_parameters())
+    assert list(fast.state_dict()) == list(reference.state_dict())
+    losses = step(fast, x), step(reference, x), step(reference64, x.double())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-7)
+    exact = reference64.state_dict()
+    for (key, ours), theirs in zip(fast.state_dict().items(), reference.state_dict().values()):
+        our_error = (ours.double() - exact[key]).abs().max()
+        their_error = (theirs.double() - exact[key]).abs().max()
+        assert our_error <= 4 * their_error + 1e-6, (key, our_error, their_error)
+
+
 def test_cpu_chain_left_when_no_option_wins_by_the_margin(monkeypatch):
-    fixed_chain_times(monkeypatch, torch=2.0, op=1.99, alone=1.98)
+    fixed_chain_times(monkeypatch, torch=2.0, op=1.99, alone=1.98, conv_op=1.97)
     model = train_model("mobilenet_v2")
     x = torch.randn(2, 3, 64, 64)
     fast, report = opforge.optimize(model, example_inputs=(x,), report=True)

@@ -37,6 +37,7 @@ _OPS = (
     "conv2d_3x3",
     "conv2d_1x1",
     "conv2d_batch_norm",
+    "batch_norm_act",
     "squeeze_excitation",
 )
 _NEEDS_KERNELS = frozenset(_OPS) | {"nn", "ops", "optimize"}
@@ -50,7 +51,7 @@ def _load_ops() -> None:
     _loader.load()
     from .ops.add import add, add_relu
     from .ops.conv import conv2d_1x1, conv2d_3x3
-    from .ops.conv_batch_norm import conv2d_batch_norm
+    from .ops.conv_batch_norm import batch_norm_act, conv2d_batch_norm
     from .ops.nms import batched_nms, nms, nms_padded
     from .ops.softmax import log_softmax, scaled_masked_softmax, softmax
     from .ops.squeeze_excitation import squeeze_excitation
@@ -66,6 +67,7 @@ def _load_ops() -> None:
         conv2d_3x3=conv2d_3x3,
         conv2d_1x1=conv2d_1x1,
         conv2d_batch_norm=conv2d_batch_norm,
+        batch_norm_act=batch_norm_act,
         batched_nms=batched_nms,
         nms=nms,
         nms_padded=nms_padded,

@@ -44,6 +44,8 @@ SOURCES = extension.SourceSet(
         "csrc/conv.cpp",
         "csrc/conv_autograd.cpp",
         "csrc/conv_batch_norm.cpp",
+        "csrc/batch_norm_act.cpp",
+        "csrc/batch_norm_train.cpp",
         "csrc/conv_pointwise.cpp",
         "csrc/cpu/conv_cpu.cpp",
         "csrc/cpu/conv_dense_cpu.cpp",

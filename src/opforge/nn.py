@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .nn_conv_batch_norm import BatchNormAct2d as BatchNormAct2d
 from .nn_conv_batch_norm import BatchNormInConv as BatchNormInConv
 from .nn_conv_batch_norm import ConvBatchNorm2d as ConvBatchNorm2d
 from .nn_prepacked import PrepackedConv2d as PrepackedConv2d

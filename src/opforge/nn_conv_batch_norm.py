@@ -7,6 +7,11 @@ BatchNorm keeps its place, parameters and buffers as a
 on, since the conv before it applies it); the activation's place holds an
 ``nn.Identity``. So ``state_dict`` keys, optimizers' parameters and
 checkpoints are the original model's.
+
+``BatchNormAct2d``: a training-mode ``BatchNorm2d -> activation`` as one op
+call (``opforge.batch_norm_act``), what ``optimize`` puts after opforge's
+own conv; it is the BatchNorm (same names), the activation's place holds an
+``nn.Identity``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from .nn_prepacked import registered
 from .ops.conv import TORCH_ACTIVATIONS
-from .ops.conv_batch_norm import _conv2d_batch_norm
+from .ops.conv_batch_norm import _batch_norm_act, _conv2d_batch_norm
 
 
 def _recast(module: torch.nn.Module, cls: type) -> torch.nn.Module:
@@ -132,3 +137,69 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", batch_norm=({self.batch_norm.extra_repr()}), activation={self.activation!r}"
+
+
+class BatchNormAct2d(torch.nn.BatchNorm2d):
+    """A ``BatchNorm2d`` followed by an activation (None, ``"relu"``, ``"relu6"``, ``"hardswish"``,
+    ``"silu"``), as one call of ``opforge.batch_norm_act`` where it uses batch statistics.
+
+    ``opforge.optimize`` puts one after opforge's own conv in a training
+    chain (``conv2d_batch_norm`` fuses ATen's conv instead). It holds the
+    BatchNorm's parameters and buffers (the same tensors, under the same
+    names); the activation's place holds an ``nn.Identity``. Where the
+    statistics are the running ones (eval mode), with ``momentum=None``, an
+    input that is not 4-d, under autocast and while ``torch.compile`` or
+    export traces it, it runs as ``BatchNorm2d`` then the activation.
+
+    >>> import copy, torch, opforge
+    >>> bn = torch.nn.BatchNorm2d(8)
+    >>> fused = opforge.nn.BatchNormAct2d.of(copy.deepcopy(bn), "relu6")
+    >>> x = torch.randn(2, 8, 5, 5)
+    >>> torch.allclose(fused(x), torch.nn.functional.relu6(bn(x)), atol=1e-5)
+    True
+    """
+
+    activation: str | None
+
+    @classmethod
+    def of(cls, bn: torch.nn.BatchNorm2d, activation: str | None = None) -> BatchNormAct2d:
+        """``bn`` (its parameters and buffers, the same tensors) followed by ``activation``."""
+        if not isinstance(bn, torch.nn.BatchNorm2d):
+            raise TypeError(f"BatchNormAct2d.of: bn must be a torch.nn.BatchNorm2d, got {type(bn).__name__}")
+        if activation not in TORCH_ACTIVATIONS:
+            raise ValueError(
+                "BatchNormAct2d.of: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', "
+                f"got {activation!r}"
+            )
+        out = _recast(bn, cls)
+        out.activation = activation
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        running_mean = registered(self, "_buffers", "running_mean")
+        if (
+            (self.training or running_mean is None)
+            and self.momentum is not None
+            and x.dim() == 4
+            and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            tracked = self.training and self.track_running_stats
+            running_var = registered(self, "_buffers", "running_var") if tracked else None
+            return _batch_norm_act(
+                x,
+                registered(self, "_parameters", "weight"),
+                registered(self, "_parameters", "bias"),
+                running_mean if tracked else None,
+                running_var,
+                registered(self, "_buffers", "num_batches_tracked") if tracked else None,
+                self.momentum,
+                self.eps,
+                self.activation,
+            )
+        y = super().forward(x)
+        act = TORCH_ACTIVATIONS[self.activation]
+        return y if act is None else act(y)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", activation={self.activation!r}"

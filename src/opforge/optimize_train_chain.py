@@ -8,12 +8,14 @@ as one of:
   activation and its derivative inside the batch norm's passes);
 - opforge's conv alone (``Conv2d3x3`` / ``Conv2d1x1``) with the BatchNorm and
   activation kept as modules;
+- on the CPU, opforge's conv followed by the BatchNorm and activation as one
+  ``opforge.batch_norm_act`` call (``BatchNormAct2d``), on the same engine;
 - the modules as they are.
 
 On CUDA the op pays wherever its engine takes the conv output (channels_last):
 it saves host time and the activation's passes. On the CPU it keeps ATen's
 conv while opforge's own conv can beat ATen's by more than the engine saves
-(depthwise), so with ``example_inputs`` the three are timed forward and
+(depthwise), so with ``example_inputs`` the candidates are timed forward and
 backward on the layer's input and the fastest is kept.
 """
 
@@ -24,7 +26,7 @@ import types
 
 import torch
 
-from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
+from .nn_conv_batch_norm import BatchNormAct2d, BatchNormInConv, ConvBatchNorm2d
 from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import has_hooks
 from .optimize_choice import ConvCandidate, faster_with_opforge, training_times_us, winner
@@ -104,8 +106,9 @@ def _conv_alone(model, chain: Chain, conv, act, pattern: str, x: torch.Tensor, w
 
 
 def _fastest_on_cpu(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tensor) -> LayerReport:
-    """The chain as one op, opforge's conv alone with the modules after it, or the modules, whichever
-    times fastest forward and backward on ``x`` (by the timing's margin over the modules)."""
+    """The chain as one op, opforge's conv alone with the modules after it, opforge's conv with the
+    batch norm op after it, or the modules, whichever times fastest forward and backward on ``x``
+    (by the timing's margin over the modules)."""
     act_name = FUSABLE_ACTIVATIONS.get(type(act))
     own, why_not = _own_conv(conv)
     # A copy of the BatchNorm runs the timings: they must not move the model's running statistics.
@@ -118,6 +121,9 @@ def _fastest_on_cpu(model, chain: Chain, conv, bn, act, pattern: str, x: torch.T
     }
     if own is not None:
         options[own.label + " alone"] = (own.module(), timed_bn) + after
+        options[own.label + " + batch norm op"] = (own.module(), BatchNormAct2d.of(copy.deepcopy(bn), act_name)) + (
+            after if act_name is None else ()
+        )
     key = types.SimpleNamespace(op="train_chain", conv=conv)
     times = training_times_us(key, act, x, options, extra=(bn.affine, bn.track_running_stats))
     best = winner(times, "torch's layers")
@@ -127,6 +133,13 @@ def _fastest_on_cpu(model, chain: Chain, conv, bn, act, pattern: str, x: torch.T
     why = f"{_NOT_FOLDED}; {measured}"
     if best == "one op":
         return _install_op(model, chain, conv, bn, act, pattern, why)
-    if best != "torch's layers":
+    if best.endswith(" alone"):
         return _install_conv_alone(model, chain, own, act, pattern, why)
+    if best.endswith(" + batch norm op"):
+        set_submodule(model, chain.conv, own.module())
+        set_submodule(model, chain.bn, BatchNormAct2d.of(bn, act_name))
+        if act_name is not None:
+            set_submodule(model, chain.act, torch.nn.Identity())
+        action = f"{own.label}, BatchNorm" + (f" + {type(act).__name__}" if act_name else "") + " as one op"
+        return LayerReport(chain.conv, pattern, action, why)
     return LayerReport(chain.conv, pattern, "left", why)

@@ -25,11 +25,7 @@
 #include <opforge/checks.h>
 
 #include "activation.h"
-#include "activation_aten.h"
-#include "cpu/batch_norm_act_cpu.h"
-#ifdef OPFORGE_WITH_CUDA
-#include "cuda/batch_norm_act.h"
-#endif
+#include "batch_norm_train.h"
 
 namespace {
 
@@ -38,22 +34,16 @@ using opforge::autograd::Context;
 using opforge::autograd::Tensors;
 
 constexpr const char* kOp = "opforge.conv2d_batch_norm";
-// impl_index of opforge's own engine, CUDA or CPU by the tensors' device (ATen's are 0 native,
-// 1 cuDNN, 2 MIOpen).
-constexpr int64_t kOwnEngine = -1;
+using opforge::batch_norm::kOwnEngine;
 
 using Optional = std::optional<at::Tensor>;
 
 bool defined(const Optional& t) { return t.has_value() && t->defined(); }
 at::Tensor value_or_undefined(const Optional& t) { return defined(t) ? *t : at::Tensor(); }
 
-// A per-channel BatchNorm tensor, when given: (K,) floating point, on x's device.
+// A per-channel tensor, when given: (K,) floating point, on x's device.
 void check_channel_tensor(const at::Tensor& x, const at::Tensor& t, const char* name, const c10::SymInt& K) {
-  if (!t.defined()) return;
-  opforge::check_float_tensor(t, kOp, name);
-  opforge::check_same_device(x, "x", t, name, kOp);
-  TORCH_CHECK(t.dim() == 1 && t.sym_size(0) == K, kOp, ": ", name, " must have shape [", opforge::num(K),
-              "] (the conv's output channels), got ", opforge::shape(t.sym_sizes()));
+  opforge::batch_norm::check_channel_tensor(kOp, x, "x", t, name, K, "the conv's output channels");
 }
 
 // What ATen's convolution and batch norm do not say in the op's own terms:
@@ -123,41 +113,15 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
              groups);
   ForwardResult r;
   r.conv_out = at::convolution(x, w, bias, pair(stride), pair(padding), pair(dilation), false, {0, 0}, groups);
-  // Checked where sizes are concrete (a symbolic trace checks when it runs).
-  if (!r.conv_out.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    const int64_t per_channel = r.conv_out.numel() / std::max<int64_t>(r.conv_out.size(1), 1);
-    TORCH_CHECK_VALUE(per_channel > 1 || r.conv_out.numel() == 0, kOp,
-                      ": expected more than 1 value per channel when training (as nn.BatchNorm2d), got a conv "
-                      "output of shape ",
-                      opforge::shape(r.conv_out.sym_sizes()));
-  }
-  if (num_batches_tracked.defined() && running_mean.defined()) num_batches_tracked.add_(1);
-#ifdef OPFORGE_WITH_CUDA
-  if (opforge::batch_norm::cuda_engine_takes(r.conv_out, bn_weight, bn_bias, running_mean)) {
-    std::tie(r.out, r.reserve) = opforge::batch_norm::cuda_forward(r.conv_out, bn_weight, bn_bias, running_mean,
-                                                                   running_var, momentum, eps, act);
-    r.impl_index = kOwnEngine;
-    return r;
-  }
-#endif
-  if (opforge::batch_norm::cpu_engine_takes(r.conv_out, bn_weight, bn_bias, running_mean)) {
-    std::tie(r.out, r.reserve) =
-        opforge::batch_norm::cpu_forward(r.conv_out, bn_weight, bn_bias, running_mean, running_var, momentum, eps, act);
-    r.impl_index = kOwnEngine;
-    return r;
-  }
-  at::Tensor normed;
-  std::tie(normed, r.save_mean, r.save_invstd, r.reserve, r.impl_index) =
-      at::_batch_norm_impl_index(r.conv_out, bn_weight, bn_bias, running_mean, running_var, /*training=*/true, momentum,
-                                 eps, at::globalContext().userEnabledCuDNN());
-  if (keep_pre_act && !opforge::derivative_from_output(act) && act != Activation::None) {
-    // The derivative reads the pre-activation: the activation writes a tensor of its own.
-    r.pre_act = normed;
-    r.out = opforge::activation_aten(normed, act);
-  } else {
-    opforge::activation_inplace_aten(normed, act);
-    r.out = normed;
-  }
+  const opforge::batch_norm::Normalized n =
+      opforge::batch_norm::normalize(kOp, "a conv output", r.conv_out, bn_weight, bn_bias, running_mean, running_var,
+                                     num_batches_tracked, momentum, eps, act, keep_pre_act);
+  r.out = n.out;
+  r.pre_act = n.pre_act;
+  r.save_mean = n.save_mean;
+  r.save_invstd = n.save_invstd;
+  r.reserve = n.reserve;
+  r.impl_index = n.impl_index;
   return r;
 }
 
@@ -176,35 +140,6 @@ at::Tensor conv2d_batch_norm_kernel(const at::Tensor& x, const at::Tensor& w, co
                      value_or_undefined(num_batches_tracked), stride, padding, dilation, groups, momentum, eps, act,
                      /*keep_pre_act=*/false)
       .out;
-}
-
-// The activation's and the batch norm's backward, on the engine the forward ran.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_backward(
-    const at::Tensor& grad_out, Activation act, const at::Tensor& kept, const at::Tensor& conv_out,
-    const at::Tensor& bn_weight, const at::Tensor& bn_bias, const at::Tensor& running_mean,
-    const at::Tensor& running_var, const at::Tensor& save_mean, const at::Tensor& save_invstd,
-    const at::Tensor& reserve, int64_t engine, double eps, std::array<bool, 3> mask) {
-  if (engine == kOwnEngine) {
-#ifdef OPFORGE_WITH_CUDA
-    if (conv_out.is_cuda()) {
-      return opforge::batch_norm::cuda_backward(grad_out, conv_out, bn_weight, bn_bias, reserve, act, mask);
-    }
-#endif
-    return opforge::batch_norm::cpu_backward(grad_out, conv_out, bn_weight, bn_bias, reserve, act, mask);
-  }
-  const at::Tensor grad = opforge::activation_backward(grad_out, act, kept);
-  // ATen's engines called by name where they can be: their shape functions trace with symbolic
-  // sizes, which the by-index dispatcher's empty-batch test does not.
-  if (conv_out.sym_numel() != 0 && engine == 0) {
-    return at::native_batch_norm_backward(grad, conv_out, bn_weight, running_mean, running_var, save_mean, save_invstd,
-                                          /*train=*/true, eps, mask);
-  }
-  if (conv_out.sym_numel() != 0 && engine == 1) {
-    return at::cudnn_batch_norm_backward(conv_out, grad, bn_weight, running_mean, running_var, save_mean, save_invstd,
-                                         eps, reserve);
-  }
-  return at::_batch_norm_impl_index_backward(engine, conv_out, grad, bn_weight, running_mean, running_var, save_mean,
-                                             save_invstd, /*train=*/true, eps, mask, reserve);
 }
 
 // The op's arguments in order (backward returns one gradient per argument).
@@ -271,8 +206,8 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     const std::array<bool, 3> bn_mask{conv_needed, needs(kBnWeight), needs(kBnBias)};
     if (!(bn_mask[0] || bn_mask[1] || bn_mask[2])) return out;
     auto [g_conv, g_bn_w, g_bn_b] =
-        batch_norm_backward(grads[0], act, kept, conv_out, bn_weight, bn_bias, running_mean, running_var, save_mean,
-                            save_invstd, reserve, g[7], eps, bn_mask);
+        opforge::batch_norm::normalize_backward(grads[0], act, kept, conv_out, bn_weight, bn_bias, running_mean,
+                                                running_var, save_mean, save_invstd, reserve, g[7], eps, bn_mask);
     if (bn_mask[1]) out[kBnWeight] = std::move(g_bn_w);
     if (bn_mask[2]) out[kBnBias] = std::move(g_bn_b);
     if (!conv_needed) return out;

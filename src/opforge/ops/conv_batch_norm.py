@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 _conv2d_batch_norm = torch.ops.opforge.conv2d_batch_norm.default
+_batch_norm_act = torch.ops.opforge.batch_norm_act.default
 
 
 def conv2d_batch_norm(
@@ -93,6 +94,31 @@ def conv2d_batch_norm(
         eps,
         activation,
     )
+
+
+def batch_norm_act(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    num_batches_tracked: torch.Tensor | None = None,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """``activation(F.batch_norm(x, training=True))`` in one call, one autograd node: the batch norm
+    half of :func:`conv2d_batch_norm`, for a conv that is not ATen's (opforge's own), on the same
+    engines. ``x`` (N, C, H, W); the rest as in ``conv2d_batch_norm``.
+
+    >>> import torch, opforge
+    >>> x, mean, var = torch.randn(2, 4, 8, 8), torch.zeros(4), torch.ones(4)
+    >>> y = opforge.batch_norm_act(x, None, None, mean, var, activation="relu6")
+    >>> ref = torch.nn.functional.relu6(torch.nn.functional.batch_norm(x, None, None, training=True))
+    >>> torch.allclose(y, ref, atol=1e-5), bool(mean.abs().sum() > 0)
+    (True, True)
+    """
+    return _batch_norm_act(x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, activation)
 
 
 # The dtypes of a conv output that opforge's own batch norm engines (CPU and CUDA) take.
