@@ -31,3 +31,19 @@ def away_from_jumps_of(z, activation, width):
     for point in JUMPS.get(activation, ()):
         keep &= (z - point).abs() > width * max(abs(point), 1.0)
     return keep
+
+
+def random_batch_norm(channels, bn):
+    """A training BatchNorm2d (momentum 0.3) of the BATCH_NORMS setup ``bn`` (its ``float_params``
+    removed, returned apart), affine parameters and running statistics random (never 0 / 1)."""
+    bn = dict(bn)
+    float_params = bn.pop("float_params", False)
+    norm = torch.nn.BatchNorm2d(channels, momentum=0.3, **bn).train()
+    with torch.no_grad():
+        if norm.affine:
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+        if norm.track_running_stats:
+            norm.running_mean.uniform_(-1, 1)
+            norm.running_var.uniform_(0.5, 2.0)
+    return norm, float_params

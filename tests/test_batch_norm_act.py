@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from batch_norm_cases import ACTIVATIONS, BATCH_NORMS, JUMP_WIDTH, TOLERANCE, away_from_jumps_of
+from batch_norm_cases import ACTIVATIONS, BATCH_NORMS, JUMP_WIDTH, TOLERANCE, away_from_jumps_of, random_batch_norm
 from reference import poisoned
 
 import opforge
@@ -16,16 +16,7 @@ import opforge
 
 def make_batch_norm(channels, dtype, bn, device):
     """A training BatchNorm2d with random affine parameters and running statistics (never 0 / 1)."""
-    bn = dict(bn)
-    float_params = bn.pop("float_params", False)
-    norm = torch.nn.BatchNorm2d(channels, momentum=0.3, **bn).train()
-    with torch.no_grad():
-        if norm.affine:
-            norm.weight.uniform_(0.5, 1.5)
-            norm.bias.uniform_(-0.5, 0.5)
-        if norm.track_running_stats:
-            norm.running_mean.uniform_(-1, 1)
-            norm.running_var.uniform_(0.5, 2.0)
+    norm, float_params = random_batch_norm(channels, bn)
     return norm.to(device=device, dtype=torch.float32 if float_params else dtype)
 
 

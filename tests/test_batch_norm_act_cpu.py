@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from batch_norm_cases import ACTIVATIONS, BATCH_NORMS, JUMP_WIDTH, TOLERANCE, away_from_jumps_of
+from batch_norm_cases import ACTIVATIONS, BATCH_NORMS, JUMP_WIDTH, TOLERANCE, away_from_jumps_of, random_batch_norm
 from reference import poisoned
 
 import opforge
@@ -17,20 +17,12 @@ from opforge.ops.conv_batch_norm import why_not_own_engine
 
 def make_block(channels_in, channels, dtype, activation, bn, channels_last, bias=True):
     """Conv2d -> BatchNorm2d (train) -> activation with random BatchNorm tensors (never 0 / 1)."""
-    bn = dict(bn)
-    float_params = bn.pop("float_params", False)
     conv = torch.nn.Conv2d(channels_in, channels, 3, padding=1, bias=bias)
-    norm = torch.nn.BatchNorm2d(channels, momentum=0.3, **bn)
+    norm, float_params = random_batch_norm(channels, bn)
     block = torch.nn.Sequential(conv, norm, ACTIVATIONS[activation]()).train()
-    with torch.no_grad():
-        if bias:
+    if bias:
+        with torch.no_grad():
             conv.bias.uniform_(-1.0, 2.0)
-        if norm.affine:
-            norm.weight.uniform_(0.5, 1.5)
-            norm.bias.uniform_(-0.5, 0.5)
-        if norm.track_running_stats:
-            norm.running_mean.uniform_(-1, 1)
-            norm.running_var.uniform_(0.5, 2.0)
     block[0].to(dtype)
     block[1].to(torch.float32 if float_params else dtype)
     if channels_last:

@@ -116,6 +116,19 @@ def test_eval_mode_is_unchanged_by_the_training_choice(opforge_always_wins, layo
         torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
 
 
+def assert_step_as_close_to_float64(fast, reference, reference64, x):
+    """One step of each: the first loss to float32's rounding, and every tensor of fast's state after
+    the step no farther from float64's than 4x the float32 modules' own distance (a BatchNorm over
+    few values per channel makes the step ill-conditioned in float32 either way)."""
+    losses = step(fast, x), step(reference, x), step(reference64, x.double())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-7)
+    exact = reference64.state_dict()
+    for (key, ours), theirs in zip(fast.state_dict().items(), reference.state_dict().values()):
+        our_error = (ours.double() - exact[key]).abs().max()
+        their_error = (theirs.double() - exact[key]).abs().max()
+        assert our_error <= 4 * their_error + 1e-6, (key, our_error, their_error)
+
+
 def test_cpu_chain_as_one_op_where_it_times_fastest(monkeypatch):
     seen = fixed_chain_times(monkeypatch, torch=3.0, op=2.0, alone=2.5, conv_op=2.2)
     model = train_model("mobilenet_v2")
@@ -128,15 +141,7 @@ def test_cpu_chain_as_one_op_where_it_times_fastest(monkeypatch):
     assert len([m for m in fast.modules() if isinstance(m, opforge.nn.ConvBatchNorm2d)]) == len(chains)
     # Each chain timed four ways (every conv of mobilenet_v2 has an opforge kernel).
     assert seen and all(len(options) == 4 for options in seen)
-    # One step against float64: opforge's rounding no worse than the float32 modules' own (a
-    # BatchNorm over few values per channel makes the step ill-conditioned in float32 either way).
-    losses = step(fast, x), step(reference, x), step(reference64, x.double())
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-7)
-    exact = reference64.state_dict()
-    for (key, ours), theirs in zip(fast.state_dict().items(), reference.state_dict().values()):
-        our_error = (ours.double() - exact[key]).abs().max()
-        their_error = (theirs.double() - exact[key]).abs().max()
-        assert our_error <= 4 * their_error + 1e-6, (key, our_error, their_error)
+    assert_step_as_close_to_float64(fast, reference, reference64, x)
 
 
 def test_cpu_chain_as_opforge_conv_then_batch_norm_op(monkeypatch):
@@ -157,13 +162,7 @@ def test_cpu_chain_as_opforge_conv_then_batch_norm_op(monkeypatch):
     # The model's own parameters under their names, and the state_dict's keys.
     assert all(p is params[name] for name, p in fast.named_parameters())
     assert list(fast.state_dict()) == list(reference.state_dict())
-    losses = step(fast, x), step(reference, x), step(reference64, x.double())
-    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-7)
-    exact = reference64.state_dict()
-    for (key, ours), theirs in zip(fast.state_dict().items(), reference.state_dict().values()):
-        our_error = (ours.double() - exact[key]).abs().max()
-        their_error = (theirs.double() - exact[key]).abs().max()
-        assert our_error <= 4 * their_error + 1e-6, (key, our_error, their_error)
+    assert_step_as_close_to_float64(fast, reference, reference64, x)
 
 
 def test_cpu_chain_left_when_no_option_wins_by_the_margin(monkeypatch):

@@ -33,6 +33,12 @@ def _recast(module: torch.nn.Module, cls: type) -> torch.nn.Module:
     return out
 
 
+def _check_activation(where: str, activation: str | None) -> None:
+    if activation not in TORCH_ACTIVATIONS:
+        names = "None, 'relu', 'relu6', 'hardswish' or 'silu'"
+        raise ValueError(f"{where}: activation must be {names}, got {activation!r}")
+
+
 class BatchNormInConv(torch.nn.BatchNorm2d):
     """A ``BatchNorm2d`` applied by the :class:`ConvBatchNorm2d` before it: its forward is the identity.
 
@@ -85,11 +91,7 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
                 f"ConvBatchNorm2d.of: batch_norm must be an opforge.nn.BatchNormInConv (BatchNormInConv.of(bn)), "
                 f"got {type(batch_norm).__name__}"
             )
-        if activation not in TORCH_ACTIVATIONS:
-            raise ValueError(
-                "ConvBatchNorm2d.of: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', "
-                f"got {activation!r}"
-            )
+        _check_activation("ConvBatchNorm2d.of", activation)
         out = _recast(conv, cls)
         out.activation = activation
         # Not a submodule: the BatchNorm is registered where it was, so its state keeps its names.
@@ -166,11 +168,7 @@ class BatchNormAct2d(torch.nn.BatchNorm2d):
         """``bn`` (its parameters and buffers, the same tensors) followed by ``activation``."""
         if not isinstance(bn, torch.nn.BatchNorm2d):
             raise TypeError(f"BatchNormAct2d.of: bn must be a torch.nn.BatchNorm2d, got {type(bn).__name__}")
-        if activation not in TORCH_ACTIVATIONS:
-            raise ValueError(
-                "BatchNormAct2d.of: activation must be None, 'relu', 'relu6', 'hardswish' or 'silu', "
-                f"got {activation!r}"
-            )
+        _check_activation("BatchNormAct2d.of", activation)
         out = _recast(bn, cls)
         out.activation = activation
         return out

@@ -39,13 +39,7 @@ void check_args(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   for (const auto& [name, t] : channel_tensors) {
     opforge::batch_norm::check_channel_tensor(kOp, x, "x", *t, name, C, "x's channels");
   }
-  TORCH_CHECK_VALUE(running_mean.defined() == running_var.defined(), kOp,
-                    ": running_mean and running_var must be given together (or both None)");
-  if (num_batches_tracked.defined()) {
-    opforge::check_same_device(x, "x", num_batches_tracked, "num_batches_tracked", kOp);
-    TORCH_CHECK(num_batches_tracked.numel() == 1, kOp, ": num_batches_tracked must have one element, got shape ",
-                opforge::shape(num_batches_tracked.sym_sizes()));
-  }
+  opforge::batch_norm::check_running_stats(kOp, x, running_mean, running_var, num_batches_tracked);
 }
 
 opforge::batch_norm::Normalized run_forward(const at::Tensor& x, const Optional& weight, const Optional& bias,

@@ -27,6 +27,17 @@ void check_channel_tensor(const char* op, const at::Tensor& x, const char* x_nam
               channels, "), got ", opforge::shape(t.sym_sizes()));
 }
 
+void check_running_stats(const char* op, const at::Tensor& x, const at::Tensor& running_mean,
+                         const at::Tensor& running_var, const at::Tensor& num_batches_tracked) {
+  TORCH_CHECK_VALUE(running_mean.defined() == running_var.defined(), op,
+                    ": running_mean and running_var must be given together (or both None)");
+  if (num_batches_tracked.defined()) {
+    opforge::check_same_device(x, "x", num_batches_tracked, "num_batches_tracked", op);
+    TORCH_CHECK(num_batches_tracked.numel() == 1, op, ": num_batches_tracked must have one element, got shape ",
+                opforge::shape(num_batches_tracked.sym_sizes()));
+  }
+}
+
 Normalized normalize(const char* op, const char* what, const at::Tensor& y, const at::Tensor& weight,
                      const at::Tensor& bias, const at::Tensor& running_mean, const at::Tensor& running_var,
                      const at::Tensor& num_batches_tracked, double momentum, double eps, Activation act,

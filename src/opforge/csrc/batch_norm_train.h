@@ -33,6 +33,11 @@ struct Normalized {
 void check_channel_tensor(const char* op, const at::Tensor& x, const char* x_name, const at::Tensor& t,
                           const char* name, const c10::SymInt& K, const char* channels);
 
+// Running mean and variance given together (or neither); num_batches_tracked,
+// when given, one element on x's device.
+void check_running_stats(const char* op, const at::Tensor& x, const at::Tensor& running_mean,
+                         const at::Tensor& running_var, const at::Tensor& num_batches_tracked);
+
 // act(batch_norm(y)) with the batch's statistics: running statistics (when
 // defined) updated with momentum, num_batches_tracked (when defined, with
 // them) incremented. ValueError from `op` where a channel has one value

@@ -71,13 +71,7 @@ void check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias
   check_channel_tensor(x, bn_bias, "bn_bias", K);
   check_channel_tensor(x, running_mean, "running_mean", K);
   check_channel_tensor(x, running_var, "running_var", K);
-  TORCH_CHECK_VALUE(running_mean.defined() == running_var.defined(), kOp,
-                    ": running_mean and running_var must be given together (or both None)");
-  if (num_batches_tracked.defined()) {
-    opforge::check_same_device(x, "x", num_batches_tracked, "num_batches_tracked", kOp);
-    TORCH_CHECK(num_batches_tracked.numel() == 1, kOp, ": num_batches_tracked must have one element, got shape ",
-                opforge::shape(num_batches_tracked.sym_sizes()));
-  }
+  opforge::batch_norm::check_running_stats(kOp, x, running_mean, running_var, num_batches_tracked);
   const std::pair<const char*, c10::IntArrayRef> pairs[] = {
       {"stride", stride}, {"padding", padding}, {"dilation", dilation}};
   for (const auto& [name, v] : pairs) {
