@@ -83,15 +83,10 @@ void check_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias
 
 std::vector<int64_t> pair(c10::IntArrayRef v) { return {v[0], v.size() == 2 ? v[1] : v[0]}; }
 
-// Everything the forward makes that the backward reads.
-struct ForwardResult {
-  at::Tensor out;        // act(bn(conv(x)))
-  at::Tensor conv_out;   // conv(x): the batch norm's input
-  at::Tensor pre_act;    // bn(conv(x)) where the activation's derivative needs it (hardswish, silu)
-  at::Tensor save_mean;  // the batch statistics and the engine's reserve, as ATen's backward takes them
-  at::Tensor save_invstd;
-  at::Tensor reserve;  // opforge's own engine: its (4, C) stats table
-  int64_t impl_index = 0;
+// Everything the forward makes that the backward reads: the batch norm's
+// (batch_norm_train.h), and the conv output it normalized.
+struct ForwardResult : opforge::batch_norm::Normalized {
+  at::Tensor conv_out;  // conv(x): the batch norm's input
 };
 
 // The forward, on opforge's own engine where it takes the conv output, else on ATen's
@@ -107,15 +102,9 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
              groups);
   ForwardResult r;
   r.conv_out = at::convolution(x, w, bias, pair(stride), pair(padding), pair(dilation), false, {0, 0}, groups);
-  const opforge::batch_norm::Normalized n =
+  static_cast<opforge::batch_norm::Normalized&>(r) =
       opforge::batch_norm::normalize(kOp, "a conv output", r.conv_out, bn_weight, bn_bias, running_mean, running_var,
                                      num_batches_tracked, momentum, eps, act, keep_pre_act);
-  r.out = n.out;
-  r.pre_act = n.pre_act;
-  r.save_mean = n.save_mean;
-  r.save_invstd = n.save_invstd;
-  r.reserve = n.reserve;
-  r.impl_index = n.impl_index;
   return r;
 }
 
