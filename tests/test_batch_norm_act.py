@@ -67,13 +67,40 @@ def test_against_float64(dtype, channels_last, activation, bn, device):
     check_against_float64(norm, x, activation)
 
 
-def test_float64_equals_the_modules_exactly(device):
+class _PreciseHardswish(torch.autograd.Function):
+    """ATen's CUDA hardswish multiplies by a float 1/6; the op keeps float64's
+    precision there (the composite) and takes torch's derivative."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return z * torch.clamp(z + 3, 0, 6) / 6
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.aten.hardswish_backward(grad, ctx.saved_tensors[0])
+
+
+def _float64_hardswish(z, device):
+    return _PreciseHardswish.apply(z) if device == "cuda" else torch.nn.functional.hardswish(z)
+
+
+FLOAT64_ACTIVATIONS = {
+    "relu": lambda z, device: torch.relu(z),
+    "relu6": lambda z, device: torch.nn.functional.relu6(z),
+    "silu": lambda z, device: torch.nn.functional.silu(z),
+    "hardswish": _float64_hardswish,
+}
+
+
+@pytest.mark.parametrize("activation", list(FLOAT64_ACTIVATIONS))
+def test_float64_equals_the_modules_exactly(activation, device):
     torch.manual_seed(1)
     bn = make_batch_norm(6, torch.float64, {}, device)
     x = torch.randn(2, 6, 5, 7, dtype=torch.float64, device=device)
-    mine, ref = opforge.nn.BatchNormAct2d.of(copy.deepcopy(bn), "hardswish"), copy.deepcopy(bn)
+    mine, ref = opforge.nn.BatchNormAct2d.of(copy.deepcopy(bn), activation), copy.deepcopy(bn)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out, expected = mine(x1), torch.nn.functional.hardswish(ref(x2))
+    out, expected = mine(x1), FLOAT64_ACTIVATIONS[activation](ref(x2), device)
     assert torch.equal(out, expected)
     out.square().sum().backward()
     expected.square().sum().backward()
