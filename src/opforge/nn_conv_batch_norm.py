@@ -55,7 +55,11 @@ class BatchNormInConv(torch.nn.BatchNorm2d):
 
 
 class ConvBatchNorm2d(torch.nn.Conv2d):
-    """``activation(batch_norm(conv2d(x)))`` with the BatchNorm held by a :class:`BatchNormInConv`.
+    """``activation(batch_norm(conv2d(x)) [+ residual])`` with the BatchNorm held by a :class:`BatchNormInConv`.
+
+    ``forward(x, residual=None)``: the residual, when given, is added before
+    the activation (a residual block's tail, ``relu(bn(conv(x)) +
+    shortcut)``, which ``opforge.optimize`` rewrites into one call).
 
     Where the BatchNorm uses batch statistics (training mode, or no running
     statistics) and its momentum is a number, the forward is one call of
@@ -98,7 +102,7 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
         object.__setattr__(out, "batch_norm", batch_norm)
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         bn = self.batch_norm
         running_mean = registered(bn, "_buffers", "running_mean")
         running_var = registered(bn, "_buffers", "running_var")
@@ -132,8 +136,11 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
                 bn.momentum,
                 bn.eps,
                 self.activation,
+                residual,
             )
         y = torch.nn.BatchNorm2d.forward(bn, self._conv_forward(x, self.weight, self.bias))
+        if residual is not None:
+            y = y + residual
         act = TORCH_ACTIVATIONS[self.activation]
         return y if act is None else act(y)
 

@@ -11,7 +11,14 @@ traces, has no hooks and (in training mode) whose code a trace cannot fix
   ``conv -> BatchNorm -> activation`` can fuse like any other;
 - every eval-mode tail ``Conv2d [-> BatchNorm2d] -> add(shortcut) -> activation``
   is one :class:`opforge.nn.ConvResidual` call, the BatchNorm folded, that
-  takes the conv's input and the shortcut.
+  takes the conv's input and the shortcut;
+- every training-mode tail ``Conv2d -> BatchNorm2d -> add(shortcut) ->
+  activation`` on CUDA (a channels_last conv weight of a dtype opforge's
+  batch norm engine takes) is one :class:`opforge.nn.ConvBatchNorm2d` call
+  that takes the conv's input and the shortcut: the engine adds the shortcut
+  and applies the activation in its output pass, and their derivatives in
+  its backward. Nothing is folded; the BatchNorm keeps its place and state
+  as a ``BatchNormInConv``.
 
 Once the layers are replaced, ``skip_identity_calls`` drops the graph's calls
 of what folding and fusing left as identities (host time per call, nothing
@@ -34,7 +41,7 @@ import types
 
 import torch
 
-from .nn_conv_batch_norm import BatchNormInConv
+from .nn_conv_batch_norm import BatchNormInConv, ConvBatchNorm2d
 from .nn_prepacked import explicit_padding
 from .nn_residual import ConvResidual
 from .optimize_fold import folded_conv
@@ -290,6 +297,14 @@ def _fuse_residual_tails(graph: torch.fx.Graph, modules: dict) -> list[ResidualT
             conv_node, bn_node = found
             tails.append(_replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortcut))
             break
+        else:
+            for i in (0, 1):
+                branch, shortcut = add.args[i], add.args[1 - i]
+                found = _training_chain(graph, branch, modules)
+                if found is None or found[0] in _ancestors_of(shortcut):
+                    continue
+                tails.append(_replace_training_tail(graph, modules, *found, add, act_node, act, shortcut))
+                break
     return tails
 
 
@@ -329,6 +344,37 @@ def _conv_chain(graph: torch.fx.Graph, node, modules: dict):
     return node, bn_node
 
 
+# The conv weights whose outputs opforge's CUDA batch norm engine takes in training (channels_last).
+_ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def training_tail_pays(conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d) -> bool:
+    """Whether a training tail of ``conv`` and ``bn`` is fused: on CUDA with a channels_last weight (the
+    conv output is channels_last, which the engine takes) of a dtype the batch norm engine takes and
+    BatchNorm tensors of its dtype or float32. Elsewhere the op would run ATen's kernels."""
+    w = conv.weight
+    if not w.is_cuda or w.dtype not in _ENGINE_DTYPES or not w.is_contiguous(memory_format=torch.channels_last):
+        return False
+    return all(t is None or t.dtype in (w.dtype, torch.float32) for t in (bn.weight, bn.running_mean))
+
+
+def _training_chain(graph: torch.fx.Graph, node, modules: dict):
+    """(conv node, BatchNorm node) where ``node`` is ``bn(conv(x))`` in training mode, each read once,
+    plain ``nn.Conv2d`` and ``nn.BatchNorm2d`` (momentum a number), where ``training_tail_pays``."""
+    bn = _module_of(node, modules, torch.nn.BatchNorm2d)
+    if bn is None or type(bn) is not torch.nn.BatchNorm2d or not bn.training or bn.momentum is None:
+        return None
+    conv_node = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+    conv = _module_of(conv_node, modules, torch.nn.Conv2d)
+    if conv is None or type(conv) is not torch.nn.Conv2d or _only_reader(conv_node) is not node:
+        return None
+    if _call_count(graph, node.target) != 1 or _call_count(graph, conv_node.target) != 1 or len(conv_node.args) != 1:
+        return None
+    if not conv.training or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return None
+    return (conv_node, node) if training_tail_pays(conv, bn) else None
+
+
 def _ancestors_of(node) -> set:
     seen, todo = set(), [node]
     while todo:
@@ -352,6 +398,22 @@ def _replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortc
         if node is not None:
             graph.erase_node(node)
     names = [describe_conv(conv)] + ([type(bn).__name__] if bn is not None else []) + ["add", type(act).__name__]
+    return ResidualTail(conv_node.target, conv, bn, act, " -> ".join(names))
+
+
+def _replace_training_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortcut) -> ResidualTail:
+    conv, bn = modules[conv_node.target], modules[bn_node.target]
+    batch_norm = BatchNormInConv.of(bn)
+    modules[conv_node.target] = ConvBatchNorm2d.of(conv, batch_norm, _ACTIVATION_NAMES[type(act)])
+    modules[bn_node.target] = batch_norm
+    with graph.inserting_before(add):
+        fused = graph.call_module(conv_node.target, (conv_node.args[0], shortcut))
+        # The BatchNorm's state stays the block's: a call of its holder (skip_identity_calls drops it).
+        held = graph.call_module(bn_node.target, (fused,))
+    act_node.replace_all_uses_with(held)
+    for node in (act_node, add, bn_node, conv_node):
+        graph.erase_node(node)
+    names = [describe_conv(conv), type(bn).__name__, "add", type(act).__name__]
     return ResidualTail(conv_node.target, conv, bn, act, " -> ".join(names))
 
 

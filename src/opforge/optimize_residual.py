@@ -1,4 +1,5 @@
-"""Which engine a residual tail (``opforge.nn.ConvResidual``) runs on, measured on its own inputs.
+"""Which engine a residual tail (``opforge.nn.ConvResidual``) runs on, measured on its own inputs;
+what a training tail (``opforge.nn.ConvBatchNorm2d`` with the shortcut) runs on.
 
 The tail replaced ``act(bn(conv(x)) + shortcut)``. Each engine that can run
 it on the layer's device and dtype is timed on the inputs the layer saw in
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from .nn_conv_batch_norm import ConvBatchNorm2d
 from .nn_prepacked import CUDNN_FUSED_DTYPES, onednn_runs
 from .nn_residual import ONEDNN_ACTIVATIONS
+from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import ResidualTail
 from .optimize_choice import _MARGIN, _cache, _layout, _median_us
 from .optimize_report import LayerReport
@@ -73,9 +76,29 @@ def choose_engine(tail: ResidualTail, layer, x: torch.Tensor, r: torch.Tensor) -
     return engine, why
 
 
+def training_tail_row(tail: ResidualTail, inputs: tuple | None) -> LayerReport:
+    """What a training tail runs on: opforge's batch norm engine where it takes the conv output and the
+    shortcut is laid out as it (seen where ``inputs`` were), else ATen's kernels in one op call."""
+    done = f"conv + BatchNorm + add + {type(tail.act).__name__} as one op"
+    why = "training mode: BatchNorm is not folded; one call and one autograd node"
+    if inputs is None or len(inputs) != 2:
+        return LayerReport(tail.name, tail.pattern, done, f"{why}, the engine picked per call")
+    x, shortcut = inputs
+    with torch.no_grad():
+        conv_out = tail.conv(x)
+    where = why_not_own_engine(conv_out, tail.bn)
+    if not where and shortcut.stride() != conv_out.stride():
+        where = "a shortcut laid out unlike the conv output"
+    if where:
+        return LayerReport(tail.name, tail.pattern, done, f"{why}; ATen's kernels here ({where})")
+    return LayerReport(tail.name, tail.pattern, done, f"{why}: opforge's batch norm engine adds the shortcut")
+
+
 def apply_tail(model: torch.nn.Module, tail: ResidualTail, inputs: tuple | None, measured: bool, force: bool):
     """Set the tail's engine (timed where ``inputs`` were seen) and say what was done."""
     layer = model.get_submodule(tail.name)
+    if isinstance(layer, ConvBatchNorm2d):
+        return training_tail_row(tail, inputs)
     folded = "BatchNorm folded, " if tail.bn is not None else ""
     done = f"{folded}shortcut add and {type(tail.act).__name__} fused into one layer"
     if force:

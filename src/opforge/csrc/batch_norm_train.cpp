@@ -5,6 +5,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/Functions.h>
+#include <ATen/TensorSubclassLikeUtils.h>
 
 #include <algorithm>
 
@@ -38,10 +39,31 @@ void check_running_stats(const char* op, const at::Tensor& x, const at::Tensor& 
   }
 }
 
+void check_residual(const char* op, const char* what, const at::Tensor& y, const at::Tensor& residual) {
+  if (!residual.defined()) return;
+  opforge::check_same_device(y, what, residual, "residual", op);
+  TORCH_CHECK_TYPE(residual.scalar_type() == y.scalar_type(), op, ": residual must have ", what, "'s dtype ",
+                   opforge::dtype_name(y.scalar_type()), ", got ", opforge::dtype_name(residual.scalar_type()));
+  TORCH_CHECK_VALUE(residual.sym_sizes().equals(y.sym_sizes()), op, ": residual must have ", what, "'s shape ",
+                    opforge::shape(y.sym_sizes()), ", got ", opforge::shape(residual.sym_sizes()));
+}
+
+#ifdef OPFORGE_WITH_CUDA
+namespace {
+
+// The own engine reads the residual as it reads y: the same strides (both walked as one array).
+bool laid_out_as(const at::Tensor& residual, const at::Tensor& y) {
+  return !residual.defined() ||
+         (residual.strides() == y.strides() && residual.storage_offset() >= 0 && !at::isTensorSubclassLike(residual));
+}
+
+}  // namespace
+#endif
+
 Normalized normalize(const char* op, const char* what, const at::Tensor& y, const at::Tensor& weight,
                      const at::Tensor& bias, const at::Tensor& running_mean, const at::Tensor& running_var,
                      const at::Tensor& num_batches_tracked, double momentum, double eps, Activation act,
-                     bool keep_pre_act) {
+                     bool keep_pre_act, const at::Tensor& residual) {
   // Checked where sizes are concrete (a symbolic trace checks when it runs).
   if (!y.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
     const int64_t per_channel = y.numel() / std::max<int64_t>(y.size(1), 1);
@@ -52,13 +74,13 @@ Normalized normalize(const char* op, const char* what, const at::Tensor& y, cons
   if (num_batches_tracked.defined() && running_mean.defined()) num_batches_tracked.add_(1);
   Normalized r;
 #ifdef OPFORGE_WITH_CUDA
-  if (cuda_engine_takes(y, weight, bias, running_mean)) {
-    std::tie(r.out, r.reserve) = cuda_forward(y, weight, bias, running_mean, running_var, momentum, eps, act);
+  if (cuda_engine_takes(y, weight, bias, running_mean) && laid_out_as(residual, y)) {
+    std::tie(r.out, r.reserve) = cuda_forward(y, weight, bias, running_mean, running_var, momentum, eps, act, residual);
     r.impl_index = kOwnEngine;
     return r;
   }
 #endif
-  if (cpu_engine_takes(y, weight, bias, running_mean)) {
+  if (!residual.defined() && cpu_engine_takes(y, weight, bias, running_mean)) {
     std::tie(r.out, r.reserve) = cpu_forward(y, weight, bias, running_mean, running_var, momentum, eps, act);
     r.impl_index = kOwnEngine;
     return r;
@@ -67,6 +89,7 @@ Normalized normalize(const char* op, const char* what, const at::Tensor& y, cons
   std::tie(normed, r.save_mean, r.save_invstd, r.reserve, r.impl_index) =
       at::_batch_norm_impl_index(y, weight, bias, running_mean, running_var, /*training=*/true, momentum, eps,
                                  at::globalContext().userEnabledCuDNN());
+  if (residual.defined()) normed.add_(residual);
   if (keep_pre_act && !opforge::derivative_from_output(act) && act != Activation::None) {
     // The derivative reads the pre-activation: the activation writes a tensor of its own.
     r.pre_act = normed;
@@ -81,14 +104,23 @@ Normalized normalize(const char* op, const char* what, const at::Tensor& y, cons
 std::tuple<at::Tensor, at::Tensor, at::Tensor> normalize_backward(
     const at::Tensor& grad_out, Activation act, const at::Tensor& kept, const at::Tensor& y, const at::Tensor& weight,
     const at::Tensor& bias, const at::Tensor& running_mean, const at::Tensor& running_var, const at::Tensor& save_mean,
-    const at::Tensor& save_invstd, const at::Tensor& reserve, int64_t engine, double eps, std::array<bool, 3> mask) {
+    const at::Tensor& save_invstd, const at::Tensor& reserve, int64_t engine, double eps, std::array<bool, 3> mask,
+    const at::Tensor& residual, at::Tensor* grad_residual) {
+  // Without an activation the residual's gradient is the output's.
+  if (grad_residual != nullptr && act == Activation::None) *grad_residual = grad_out;
   if (engine == kOwnEngine) {
 #ifdef OPFORGE_WITH_CUDA
-    if (y.is_cuda()) return cuda_backward(grad_out, y, weight, bias, reserve, act, mask);
+    if (y.is_cuda()) {
+      auto [dy, dw, db, dres] =
+          cuda_backward(grad_out, y, weight, bias, reserve, act, mask, residual, grad_residual != nullptr);
+      if (grad_residual != nullptr && act != Activation::None) *grad_residual = std::move(dres);
+      return {dy, dw, db};
+    }
 #endif
     return cpu_backward(grad_out, y, weight, bias, reserve, act, mask);
   }
   const at::Tensor grad = opforge::activation_backward(grad_out, act, kept);
+  if (grad_residual != nullptr && act != Activation::None) *grad_residual = grad;
   // ATen's engines called by name where they can be: their shape functions trace with symbolic
   // sizes, which the by-index dispatcher's empty-batch test does not.
   if (y.sym_numel() != 0 && engine == 0) {

@@ -38,7 +38,12 @@ void check_channel_tensor(const char* op, const at::Tensor& x, const char* x_nam
 void check_running_stats(const char* op, const at::Tensor& x, const at::Tensor& running_mean,
                          const at::Tensor& running_var, const at::Tensor& num_batches_tracked);
 
-// act(batch_norm(y)) with the batch's statistics: running statistics (when
+// A residual of op, when given: y's shape, dtype and device (the message
+// calls y `what`).
+void check_residual(const char* op, const char* what, const at::Tensor& y, const at::Tensor& residual);
+
+// act(batch_norm(y) + residual) with the batch's statistics (residual: a
+// tensor of y's shape and dtype, or undefined): running statistics (when
 // defined) updated with momentum, num_batches_tracked (when defined, with
 // them) incremented. ValueError from `op` where a channel has one value
 // (`what` names y in the message). keep_pre_act: a graph is recorded, so on
@@ -47,15 +52,17 @@ void check_running_stats(const char* op, const at::Tensor& x, const at::Tensor& 
 Normalized normalize(const char* op, const char* what, const at::Tensor& y, const at::Tensor& weight,
                      const at::Tensor& bias, const at::Tensor& running_mean, const at::Tensor& running_var,
                      const at::Tensor& num_batches_tracked, double momentum, double eps, Activation act,
-                     bool keep_pre_act);
+                     bool keep_pre_act, const at::Tensor& residual = {});
 
 // Gradients for y, weight and bias of normalize's output, on the engine its
 // forward ran (`kept`: the forward's out for relu / relu6, its pre_act for
-// hardswish / silu, undefined on the own engine). Entries mask does not ask
-// for are undefined.
+// hardswish / silu, undefined on the own engine; `residual`: the forward's).
+// Entries mask does not ask for are undefined. grad_residual, when given,
+// receives the residual's gradient (the gradient through the activation).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> normalize_backward(
     const at::Tensor& grad_out, Activation act, const at::Tensor& kept, const at::Tensor& y, const at::Tensor& weight,
     const at::Tensor& bias, const at::Tensor& running_mean, const at::Tensor& running_var, const at::Tensor& save_mean,
-    const at::Tensor& save_invstd, const at::Tensor& reserve, int64_t engine, double eps, std::array<bool, 3> mask);
+    const at::Tensor& save_invstd, const at::Tensor& reserve, int64_t engine, double eps, std::array<bool, 3> mask,
+    const at::Tensor& residual = {}, at::Tensor* grad_residual = nullptr);
 
 }  // namespace opforge::batch_norm

@@ -97,14 +97,15 @@ ForwardResult run_forward(const at::Tensor& x, const at::Tensor& w, const at::Te
                           const at::Tensor& bn_bias, const at::Tensor& running_mean, const at::Tensor& running_var,
                           const at::Tensor& num_batches_tracked, c10::IntArrayRef stride, c10::IntArrayRef padding,
                           c10::IntArrayRef dilation, int64_t groups, double momentum, double eps, Activation act,
-                          bool keep_pre_act) {
+                          bool keep_pre_act, const at::Tensor& residual) {
   check_args(x, w, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, stride, padding, dilation,
              groups);
   ForwardResult r;
   r.conv_out = at::convolution(x, w, bias, pair(stride), pair(padding), pair(dilation), false, {0, 0}, groups);
+  opforge::batch_norm::check_residual(kOp, "the conv output", r.conv_out, residual);
   static_cast<opforge::batch_norm::Normalized&>(r) =
       opforge::batch_norm::normalize(kOp, "a conv output", r.conv_out, bn_weight, bn_bias, running_mean, running_var,
-                                     num_batches_tracked, momentum, eps, act, keep_pre_act);
+                                     num_batches_tracked, momentum, eps, act, keep_pre_act, residual);
   return r;
 }
 
@@ -116,17 +117,18 @@ at::Tensor conv2d_batch_norm_kernel(const at::Tensor& x, const at::Tensor& w, co
                                     const std::optional<at::Tensor>& running_var,
                                     const std::optional<at::Tensor>& num_batches_tracked, c10::IntArrayRef stride,
                                     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
-                                    double momentum, double eps, std::optional<std::string_view> activation) {
+                                    double momentum, double eps, std::optional<std::string_view> activation,
+                                    const std::optional<at::Tensor>& residual) {
   const Activation act = opforge::parse_activation(kOp, activation);
   return run_forward(x, w, value_or_undefined(bias), value_or_undefined(bn_weight), value_or_undefined(bn_bias),
                      value_or_undefined(running_mean), value_or_undefined(running_var),
                      value_or_undefined(num_batches_tracked), stride, padding, dilation, groups, momentum, eps, act,
-                     /*keep_pre_act=*/false)
+                     /*keep_pre_act=*/false, value_or_undefined(residual))
       .out;
 }
 
 // The op's arguments in order (backward returns one gradient per argument).
-enum Input : int { kX, kW, kBias, kBnWeight, kBnBias, kRunningMean, kRunningVar, kNumBatches, kInputs = 15 };
+enum Input : int { kX, kW, kBias, kBnWeight, kBnBias, kRunningMean, kRunningVar, kNumBatches, kResidual = 15, kInputs };
 
 struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> {
   static at::Tensor forward(Context* ctx, const at::Tensor& x, const at::Tensor& w, const Optional& bias_arg,
@@ -134,8 +136,9 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
                             const Optional& running_mean_arg, const Optional& running_var_arg,
                             const Optional& num_batches_tracked_arg, c10::IntArrayRef stride, c10::IntArrayRef padding,
                             c10::IntArrayRef dilation, int64_t groups, double momentum, double eps,
-                            std::optional<std::string_view> activation) {
+                            std::optional<std::string_view> activation, const Optional& residual_arg) {
     const Activation act = opforge::parse_activation(kOp, activation);
+    const at::Tensor residual = value_or_undefined(residual_arg);
     const at::Tensor bias = value_or_undefined(bias_arg), bn_weight = value_or_undefined(bn_weight_arg);
     const at::Tensor running_mean = value_or_undefined(running_mean_arg);
     const at::Tensor running_var = value_or_undefined(running_var_arg);
@@ -145,13 +148,19 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
       at::AutoDispatchBelowAutograd below;
       r = run_forward(x, w, bias, bn_weight, value_or_undefined(bn_bias_arg), running_mean, running_var,
                       value_or_undefined(num_batches_tracked_arg), stride, padding, dilation, groups, momentum, eps,
-                      act, /*keep_pre_act=*/true);
+                      act, /*keep_pre_act=*/true, residual);
     }
     // needs_input_grad counts the tensors given: an absent optional one shifts those after it.
     int64_t given = 0;
-    const Optional* optionals[] = {&bias_arg, &bn_weight_arg, &bn_bias_arg};
-    for (int i = 0; i < 3; ++i) {
-      if (defined(*optionals[i])) given |= int64_t{1} << (kBias + i);
+    const std::pair<int, const Optional*> optionals[] = {{kBias, &bias_arg},
+                                                         {kBnWeight, &bn_weight_arg},
+                                                         {kBnBias, &bn_bias_arg},
+                                                         {kRunningMean, &running_mean_arg},
+                                                         {kRunningVar, &running_var_arg},
+                                                         {kNumBatches, &num_batches_tracked_arg},
+                                                         {kResidual, &residual_arg}};
+    for (const auto& [index, optional] : optionals) {
+      if (defined(*optional)) given |= int64_t{1} << index;
     }
     ctx->saved_data["geometry"] = std::vector<int64_t>{stride[0],   stride.size() == 2 ? stride[1] : stride[0],
                                                        padding[0],  padding.size() == 2 ? padding[1] : padding[0],
@@ -164,7 +173,7 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     // The own engine recomputes the pre-activation from conv_out: it keeps neither.
     const at::Tensor kept = r.impl_index == kOwnEngine ? at::Tensor() : (from_output ? r.out : r.pre_act);
     ctx->save_for_backward({x, w, r.conv_out, bn_weight, running_mean, running_var, r.save_mean, r.save_invstd,
-                            r.reserve, kept, value_or_undefined(bn_bias_arg)});
+                            r.reserve, kept, value_or_undefined(bn_bias_arg), residual});
     return r.out;
   }
 
@@ -177,7 +186,7 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     const Tensors s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &w = s[1], &conv_out = s[2], &bn_weight = s[3], &running_mean = s[4],
                      &running_var = s[5], &save_mean = s[6], &save_invstd = s[7], &reserve = s[8], &kept = s[9],
-                     &bn_bias = s[10];
+                     &bn_bias = s[10], &residual = s[11];
     const int64_t given = g[8] | (int64_t{1} << kX) | (int64_t{1} << kW);
     auto needs = [&](int input) {
       if (!(given & (int64_t{1} << input))) return false;
@@ -187,10 +196,13 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     const std::array<bool, 3> conv_mask{needs(kX), needs(kW), needs(kBias)};
     const bool conv_needed = conv_mask[0] || conv_mask[1] || conv_mask[2];
     const std::array<bool, 3> bn_mask{conv_needed, needs(kBnWeight), needs(kBnBias)};
-    if (!(bn_mask[0] || bn_mask[1] || bn_mask[2])) return out;
-    auto [g_conv, g_bn_w, g_bn_b] =
-        opforge::batch_norm::normalize_backward(grads[0], act, kept, conv_out, bn_weight, bn_bias, running_mean,
-                                                running_var, save_mean, save_invstd, reserve, g[7], eps, bn_mask);
+    const bool residual_needed = needs(kResidual);
+    if (!(bn_mask[0] || bn_mask[1] || bn_mask[2] || residual_needed)) return out;
+    at::Tensor g_residual;
+    auto [g_conv, g_bn_w, g_bn_b] = opforge::batch_norm::normalize_backward(
+        grads[0], act, kept, conv_out, bn_weight, bn_bias, running_mean, running_var, save_mean, save_invstd, reserve,
+        g[7], eps, bn_mask, residual, residual_needed ? &g_residual : nullptr);
+    if (residual_needed) out[kResidual] = std::move(g_residual);
     if (bn_mask[1]) out[kBnWeight] = std::move(g_bn_w);
     if (bn_mask[2]) out[kBnBias] = std::move(g_bn_b);
     if (!conv_needed) return out;
@@ -214,29 +226,31 @@ at::Tensor conv2d_batch_norm_autograd(const at::Tensor& x, const at::Tensor& w, 
                                       const std::optional<at::Tensor>& running_var,
                                       const std::optional<at::Tensor>& num_batches_tracked, c10::IntArrayRef stride,
                                       c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
-                                      double momentum, double eps, std::optional<std::string_view> activation) {
-  if (!opforge::autograd::records_graph(x, w, bias, bn_weight, bn_bias)) {
+                                      double momentum, double eps, std::optional<std::string_view> activation,
+                                      const std::optional<at::Tensor>& residual) {
+  if (!opforge::autograd::records_graph(x, w, bias, bn_weight, bn_bias, residual)) {
     at::AutoDispatchBelowAutograd below;
     return conv2d_batch_norm_kernel(x, w, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-                                    stride, padding, dilation, groups, momentum, eps, activation);
+                                    stride, padding, dilation, groups, momentum, eps, activation, residual);
   }
   return ConvBatchNormFunction::apply(x, w, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked,
-                                      stride, padding, dilation, groups, momentum, eps, activation);
+                                      stride, padding, dilation, groups, momentum, eps, activation, residual);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(opforge, m) {
-  // act(batch_norm(conv2d(x, weight, bias), training=True)): nn.Conv2d ->
-  // nn.BatchNorm2d (training mode) -> activation (None, "relu", "relu6",
-  // "hardswish", "silu"). Updates running_mean and running_var with
-  // `momentum` and adds 1 to num_batches_tracked, as nn.BatchNorm2d does;
-  // without running statistics it normalizes by the batch's alone.
+  // act(batch_norm(conv2d(x, weight, bias), training=True) + residual):
+  // nn.Conv2d -> nn.BatchNorm2d (training mode) [-> + residual, a residual
+  // block's shortcut] -> activation (None, "relu", "relu6", "hardswish",
+  // "silu"). Updates running_mean and running_var with `momentum` and adds 1
+  // to num_batches_tracked, as nn.BatchNorm2d does; without running
+  // statistics it normalizes by the batch's alone.
   m.def(
       "conv2d_batch_norm(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
       "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, int[2] stride=1, "
       "int[2] padding=0, int[2] dilation=1, int groups=1, float momentum=0.1, float eps=1e-05, "
-      "str? activation=None) -> Tensor");
+      "str? activation=None, Tensor? residual=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(opforge, CompositeExplicitAutograd, m) { m.impl("conv2d_batch_norm", &conv2d_batch_norm_kernel); }

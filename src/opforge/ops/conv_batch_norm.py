@@ -2,12 +2,13 @@
 
 ``conv2d_batch_norm(x, weight, bias, bn_weight, bn_bias, running_mean,
 running_var, num_batches_tracked, stride, padding, dilation, groups,
-momentum, eps, activation)`` equals::
+momentum, eps, activation, residual)`` equals::
 
     y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     y = F.batch_norm(y, running_mean, running_var, bn_weight, bn_bias, training=True,
                      momentum=momentum, eps=eps)
     num_batches_tracked += 1      # when given, with running statistics
+    y = y + residual              # when given: a residual block's shortcut
     activation(y)                 # None, "relu", "relu6", "hardswish", "silu"
 
 with ATen's convolution. The batch norm and the activation run on opforge's
@@ -32,10 +33,16 @@ activation's passes over memory.
   ``nn.BatchNorm2d``; a cumulative average, ``momentum=None``, is
   ``nn.BatchNorm2d``'s own job). Without them the batch's statistics alone
   normalize, as in ``nn.BatchNorm2d(track_running_stats=False)``.
+- ``residual``: None, or a tensor of the conv output's shape and dtype (a
+  ResNet block's tail, ``relu(bn(conv(x)) + shortcut)``). The CUDA engine
+  adds it inside its output pass (it reads the residual where the output is
+  written, and in the backward where the activation's derivative needs the
+  pre-activation) when it is laid out as the conv output; elsewhere the add
+  is ATen's, in place on the batch norm's output.
 - Every floating dtype the three modules take; CPU and CUDA.
-- Gradients for x, weight, bias, bn_weight and bn_bias: the activation's
-  derivative and the batch norm's on the engine the forward ran, then ATen's
-  convolution backward.
+- Gradients for x, weight, bias, bn_weight, bn_bias and residual: the
+  activation's derivative and the batch norm's on the engine the forward
+  ran, then ATen's convolution backward.
 
 ``opforge.nn.ConvBatchNorm2d`` is the module; ``opforge.optimize`` puts it
 in training models.
@@ -65,8 +72,10 @@ def conv2d_batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
     activation: str | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``activation(F.batch_norm(F.conv2d(x, ...), training=True))`` in one call (see the module's docs).
+    """``activation(F.batch_norm(F.conv2d(x, ...), training=True) [+ residual])`` in one call (see the
+    module's docs).
 
     >>> import torch, opforge
     >>> x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
@@ -93,6 +102,7 @@ def conv2d_batch_norm(
         momentum,
         eps,
         activation,
+        residual,
     )
 
 

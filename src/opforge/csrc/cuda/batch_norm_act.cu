@@ -250,21 +250,45 @@ struct Coefficients {
   }
 };
 
+// y and, where a residual is added, its values at the same place.
 template <typename T, int V>
-__global__ void normalize(const T* __restrict__ y, T* __restrict__ out, int64_t rows, int C, int lanes, int R,
-                          const float* __restrict__ stats, Activation act) {
+struct InputAndResidual {
+  AlignedVec<T, V> y, res;
+};
+
+template <typename T, int V>
+__device__ inline InputAndResidual<T, V> load_input(const T* __restrict__ y, const T* __restrict__ res, int64_t i) {
+  InputAndResidual<T, V> a;
+  a.y = load_vec<T, V>(y, i);
+  if (res != nullptr) a.res = load_vec<T, V>(res, i);
+  return a;
+}
+
+// The activation's input: bn(y), plus the residual where one is given, each
+// rounded to T where torch's modules round it.
+template <typename T, int V>
+__device__ inline float pre_activation(const Coefficients<V>& k, float yv, const T* res, const AlignedVec<T, V>& r,
+                                       int v) {
+  const float z = k.template normed<T>(yv, v);
+  return res == nullptr ? z : rounded<T>(z + static_cast<float>(r.val[v]));
+}
+
+template <typename T, int V>
+__global__ void normalize(const T* __restrict__ y, const T* __restrict__ res, T* __restrict__ out, int64_t rows, int C,
+                          int lanes, int R, const float* __restrict__ stats, Activation act) {
   const int vecs = C / V;
   const Place p = place(lanes, vecs);
   if (!p.active) return;
   const Coefficients<V> k(stats, C, p.vec * V);
   over_rows<4>(
       int64_t{blockIdx.x} * R + p.row_lane, int64_t{gridDim.x} * R, rows,
-      [&](int64_t r) { return load_vec<T, V>(y, r * vecs + p.vec); },
-      [&](int64_t r, const AlignedVec<T, V>& a) {
+      [&](int64_t r) { return load_input<T, V>(y, res, r * vecs + p.vec); },
+      [&](int64_t r, const InputAndResidual<T, V>& a) {
         AlignedVec<T, V> o;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-          o.val[v] = static_cast<T>(apply_activation(k.template normed<T>(static_cast<float>(a.val[v]), v), act));
+          const float z = pre_activation<T, V>(k, static_cast<float>(a.y.val[v]), res, a.res, v);
+          o.val[v] = static_cast<T>(apply_activation(z, act));
         }
         store_vec<T, V>(out, r * vecs + p.vec, o);
       });
@@ -292,12 +316,24 @@ __device__ inline float through_activation(float g, float z, Activation act) {
 
 template <typename T, int V>
 struct GradAndInput {
-  AlignedVec<T, V> grad, y;
+  AlignedVec<T, V> grad, y, res;
 };
 
+// res: read only where the activation's derivative needs the pre-activation (else null).
 template <typename T, int V>
-__global__ void grad_partial(const T* __restrict__ grad, const T* __restrict__ y, int64_t rows, int C, int lanes, int R,
-                             const float* __restrict__ stats, Activation act, float* __restrict__ part) {
+__device__ inline GradAndInput<T, V> load_grad_and_input(const T* __restrict__ grad, const T* __restrict__ y,
+                                                         const T* __restrict__ res, int64_t i) {
+  GradAndInput<T, V> a;
+  a.grad = load_vec<T, V>(grad, i);
+  a.y = load_vec<T, V>(y, i);
+  if (res != nullptr) a.res = load_vec<T, V>(res, i);
+  return a;
+}
+
+template <typename T, int V>
+__global__ void grad_partial(const T* __restrict__ grad, const T* __restrict__ y, const T* __restrict__ res,
+                             int64_t rows, int C, int lanes, int R, const float* __restrict__ stats, Activation act,
+                             float* __restrict__ part) {
   extern __shared__ float sh[];
   const int vecs = C / V;
   const Place p = place(lanes, vecs);
@@ -306,14 +342,13 @@ __global__ void grad_partial(const T* __restrict__ grad, const T* __restrict__ y
     const Coefficients<V> k(stats, C, p.vec * V);
     over_rows<2>(
         int64_t{blockIdx.x} * R + p.row_lane, int64_t{gridDim.x} * R, rows,
-        [&](int64_t r) {
-          return GradAndInput<T, V>{load_vec<T, V>(grad, r * vecs + p.vec), load_vec<T, V>(y, r * vecs + p.vec)};
-        },
+        [&](int64_t r) { return load_grad_and_input<T, V>(grad, y, res, r * vecs + p.vec); },
         [&](int64_t, const GradAndInput<T, V>& a) {
 #pragma unroll
           for (int v = 0; v < V; ++v) {
             const float yv = static_cast<float>(a.y.val[v]);
-            const float g = through_activation<T>(static_cast<float>(a.grad.val[v]), k.template normed<T>(yv, v), act);
+            const float z = pre_activation<T, V>(k, yv, res, a.res, v);
+            const float g = through_activation<T>(static_cast<float>(a.grad.val[v]), z, act);
             acc[v] += g;
             acc[V + v] += g * (yv - k.mean[v]);
           }
@@ -338,10 +373,11 @@ __global__ void grad_merge(const float* __restrict__ part, int row_blocks, int C
   terms[C + c] = invstd * invstd * sum_gy / n;
 }
 
+// dy, and the residual's gradient dres (the gradient through the activation) where asked.
 template <typename T, int V>
-__global__ void grad_input(const T* __restrict__ grad, const T* __restrict__ y, T* __restrict__ dy, int64_t rows, int C,
-                           int lanes, int R, const float* __restrict__ stats, const float* __restrict__ terms,
-                           Activation act) {
+__global__ void grad_input(const T* __restrict__ grad, const T* __restrict__ y, const T* __restrict__ res,
+                           T* __restrict__ dy, T* __restrict__ dres, int64_t rows, int C, int lanes, int R,
+                           const float* __restrict__ stats, const float* __restrict__ terms, Activation act) {
   const int vecs = C / V;
   const Place p = place(lanes, vecs);
   if (!p.active) return;
@@ -354,18 +390,19 @@ __global__ void grad_input(const T* __restrict__ grad, const T* __restrict__ y, 
   }
   over_rows<2>(
       int64_t{blockIdx.x} * R + p.row_lane, int64_t{gridDim.x} * R, rows,
-      [&](int64_t r) {
-        return GradAndInput<T, V>{load_vec<T, V>(grad, r * vecs + p.vec), load_vec<T, V>(y, r * vecs + p.vec)};
-      },
+      [&](int64_t r) { return load_grad_and_input<T, V>(grad, y, res, r * vecs + p.vec); },
       [&](int64_t r, const GradAndInput<T, V>& a) {
-        AlignedVec<T, V> o;
+        AlignedVec<T, V> o, gr;
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           const float yv = static_cast<float>(a.y.val[v]);
-          const float g = through_activation<T>(static_cast<float>(a.grad.val[v]), k.template normed<T>(yv, v), act);
+          const float z = pre_activation<T, V>(k, yv, res, a.res, v);
+          const float g = through_activation<T>(static_cast<float>(a.grad.val[v]), z, act);
           o.val[v] = static_cast<T>(k.scale[v] * (g - mean_g[v] - (yv - k.mean[v]) * slope[v]));
+          gr.val[v] = static_cast<T>(g);
         }
-        store_vec<T, V>(dy, r * vecs + p.vec, o);
+        if (dy != nullptr) store_vec<T, V>(dy, r * vecs + p.vec, o);
+        if (dres != nullptr) store_vec<T, V>(dres, r * vecs + p.vec, gr);
       });
 }
 
@@ -445,14 +482,16 @@ bool cuda_engine_takes(const at::Tensor& y, const at::Tensor& weight, const at::
 
 std::tuple<at::Tensor, at::Tensor> cuda_forward(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
                                                 const at::Tensor& running_mean, const at::Tensor& running_var,
-                                                double momentum, double eps, Activation act) {
+                                                double momentum, double eps, Activation act,
+                                                const at::Tensor& residual) {
   const c10::cuda::CUDAGuard guard(y.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int C = static_cast<int>(y.size(1));
   const int64_t rows = y.numel() / C;
   // Same strides as y (what ATen's batch norm gives a channels_last input).
   at::Tensor out = at::empty_like(y);
-  const int V = vector_width(y, {y.data_ptr(), out.data_ptr()});
+  const void* res_ptr = residual.defined() ? residual.data_ptr() : nullptr;
+  const int V = vector_width(y, {y.data_ptr(), out.data_ptr(), res_ptr});
   const Tiling reduce = make_tiling(rows, C, V, y.element_size(), /*partials=*/true);
   const Tiling pointwise = make_tiling(rows, C, V, y.element_size(), /*partials=*/false);
   const auto f32 = y.options().dtype(at::kFloat);
@@ -476,16 +515,16 @@ std::tuple<at::Tensor, at::Tensor> cuda_forward(const at::Tensor& y, const at::T
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     normalize<T, kV><<<pointwise.grid(), pointwise.threads(), 0, stream>>>(
-        yp, static_cast<T*>(out.data_ptr()), rows, C, pointwise.lanes, pointwise.R, stats.data_ptr<float>(), act);
+        yp, static_cast<const T*>(res_ptr), static_cast<T*>(out.data_ptr()), rows, C, pointwise.lanes, pointwise.R,
+        stats.data_ptr<float>(), act);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out, stats};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(const at::Tensor& grad_arg, const at::Tensor& y,
-                                                             const at::Tensor& weight, const at::Tensor& bias,
-                                                             const at::Tensor& stats, Activation act,
-                                                             std::array<bool, 3> mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cuda_backward(
+    const at::Tensor& grad_arg, const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& stats, Activation act, std::array<bool, 3> mask, const at::Tensor& residual, bool residual_grad) {
   const c10::cuda::CUDAGuard guard(y.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int C = static_cast<int>(y.size(1));
@@ -497,7 +536,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(const at::Tensor& g
   const auto param_options = y.options().dtype(param_dtype);
   at::Tensor dw = mask[1] && weight.defined() ? at::empty({C}, param_options) : at::Tensor();
   at::Tensor db = mask[2] && bias.defined() ? at::empty({C}, param_options) : at::Tensor();
-  const int V = vector_width(y, {y.data_ptr(), grad.data_ptr(), dy.defined() ? dy.data_ptr() : nullptr});
+  // The pre-activation is recomputed with the residual where the derivative reads it; without an
+  // activation the residual's gradient is grad itself, which the caller passes on.
+  const bool reads_res = residual.defined() && act != Activation::None;
+  const void* res_ptr = reads_res ? residual.data_ptr() : nullptr;
+  at::Tensor dres = reads_res && residual_grad ? at::empty_like(y) : at::Tensor();
+  const int V = vector_width(y, {y.data_ptr(), grad.data_ptr(), dy.defined() ? dy.data_ptr() : nullptr, res_ptr,
+                                 dres.defined() ? dres.data_ptr() : nullptr});
   const Tiling reduce = make_tiling(rows, C, V, y.element_size(), /*partials=*/true);
   const Tiling pointwise = make_tiling(rows, C, V, y.element_size(), /*partials=*/false);
   at::Tensor scratch = at::empty({int64_t{reduce.row_blocks} * 2 * C + 2 * int64_t{C}}, y.options().dtype(at::kFloat));
@@ -510,8 +555,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(const at::Tensor& g
     const T* gp = static_cast<const T*>(grad.data_ptr());
     const T* yp = static_cast<const T*>(y.data_ptr());
     const size_t shared = sizeof(float) * 2 * kV * reduce.threads();
-    grad_partial<T, kV>
-        <<<reduce.grid(), reduce.threads(), shared, stream>>>(gp, yp, rows, C, reduce.lanes, reduce.R, st, act, part);
+    const T* rp = static_cast<const T*>(res_ptr);
+    grad_partial<T, kV><<<reduce.grid(), reduce.threads(), shared, stream>>>(gp, yp, rp, rows, C, reduce.lanes,
+                                                                             reduce.R, st, act, part);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     with_param_type(param_dtype, [&](auto w) {
       using W = decltype(w);
@@ -519,13 +565,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(const at::Tensor& g
                                                                ptr_or_null<W>(db), terms);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    if (dy.defined()) {
+    if (dy.defined() || dres.defined()) {
       grad_input<T, kV><<<pointwise.grid(), pointwise.threads(), 0, stream>>>(
-          gp, yp, static_cast<T*>(dy.data_ptr()), rows, C, pointwise.lanes, pointwise.R, st, terms, act);
+          gp, yp, rp, ptr_or_null<T>(dy), ptr_or_null<T>(dres), rows, C, pointwise.lanes, pointwise.R, st, terms, act);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  return {dy, dw, db};
+  return {dy, dw, db, dres};
 }
 
 }  // namespace opforge::batch_norm

@@ -20,20 +20,23 @@ namespace opforge::batch_norm {
 bool cuda_engine_takes(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
                        const at::Tensor& running_mean);
 
-// act(batch_norm(y)) with the batch's statistics; updates running_mean and
+// act(batch_norm(y) + residual) with the batch's statistics (residual, when
+// defined, laid out as y, of y's dtype); updates running_mean and
 // running_var (when defined) with momentum, the variance unbiased. Returns
 // (out, stats): stats is float32 (4, C): mean, 1 / std, and the scale and
 // shift with batch_norm(y) = y * scale + shift, which the backward reads.
 std::tuple<at::Tensor, at::Tensor> cuda_forward(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
                                                 const at::Tensor& running_mean, const at::Tensor& running_var,
-                                                double momentum, double eps, Activation act);
+                                                double momentum, double eps, Activation act,
+                                                const at::Tensor& residual);
 
-// Gradients of act(batch_norm(y)) for y, weight and bias from grad (any
-// strides) and the forward's stats; the pre-activation is recomputed from y.
-// Entries mask does not ask for are undefined.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_backward(const at::Tensor& grad, const at::Tensor& y,
-                                                             const at::Tensor& weight, const at::Tensor& bias,
-                                                             const at::Tensor& stats, Activation act,
-                                                             std::array<bool, 3> mask);
+// Gradients of act(batch_norm(y) + residual) for y, weight, bias and (with
+// residual_grad and an activation) the residual, from grad (any strides) and
+// the forward's stats; the pre-activation is recomputed from y and the
+// residual. Entries not asked for are undefined; without an activation the
+// residual's gradient is grad, left to the caller.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> cuda_backward(
+    const at::Tensor& grad, const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
+    const at::Tensor& stats, Activation act, std::array<bool, 3> mask, const at::Tensor& residual, bool residual_grad);
 
 }  // namespace opforge::batch_norm
