@@ -15,6 +15,12 @@ from reference import poisoned, randomize_batchnorm
 import opforge
 
 
+@pytest.fixture(autouse=True)
+def full_float32_convs(monkeypatch):
+    """The conv in float32 (no TF32): the comparisons are with float64."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 def block_of(channels, dtype, device, activation, channels_last, bias=False, bn_dtype=None):
     conv = torch.nn.Conv2d(8, channels, 3, padding=1, bias=bias)
     block = torch.nn.Sequential(conv, torch.nn.BatchNorm2d(channels, momentum=0.3), ACTIVATIONS[activation]())
