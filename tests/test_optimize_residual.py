@@ -254,8 +254,9 @@ def test_channels_last_and_dtype_moves_after_optimize():
 
 
 def test_training_mode_blocks_unshare_activations_and_keep_their_tails():
-    """In training mode no tail is fused (its BatchNorm would fold); the shared ReLU gets a copy per
-    call, so that each block's conv1 -> bn1 -> relu is one conv2d_batch_norm with the ReLU in it."""
+    """In training mode on the CPU no tail is fused (no ConvResidual: its BatchNorm would fold; no
+    training tail: test_optimize_training_tails); the shared ReLU gets a copy per call, so that
+    each block's conv1 -> bn1 -> relu is one conv2d_batch_norm with the ReLU in it."""
     model = torchvision.models.resnet18(num_classes=10).train()
     timed = opforge.optimize(model, example_inputs=(torch.randn(2, 3, 32, 32),))
     assert not any(isinstance(m, opforge.nn.ConvResidual) for m in timed.modules())
