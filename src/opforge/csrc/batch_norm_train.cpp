@@ -53,8 +53,7 @@ namespace {
 
 // The own engine reads the residual as it reads y: the same strides (both walked as one array).
 bool laid_out_as(const at::Tensor& residual, const at::Tensor& y) {
-  return !residual.defined() ||
-         (residual.strides() == y.strides() && residual.storage_offset() >= 0 && !at::isTensorSubclassLike(residual));
+  return !residual.defined() || (residual.strides() == y.strides() && !at::isTensorSubclassLike(residual));
 }
 
 }  // namespace

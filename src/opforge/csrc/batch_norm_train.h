@@ -1,8 +1,10 @@
 // Training-mode batch norm + activation over a tensor y, on the engine that
 // takes it: opforge's own (cuda/batch_norm_act.cu for channels_last CUDA
 // tensors, cpu/batch_norm_act_cpu.cpp for float / half CPU tensors) or
-// ATen's batch norm with the activation in place. Shared by
-// conv2d_batch_norm (y: its conv's output) and batch_norm_act (y: its input).
+// ATen's batch norm with the activation in place; a residual, when given, is
+// added before the activation (the CUDA engine in its output pass, else in
+// place on ATen's output). Shared by conv2d_batch_norm (y: its conv's
+// output) and batch_norm_act (y: its input).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,5 +1,5 @@
-// Training-mode batch norm + activation on a channels_last tensor seen as
-// (rows, C), rows = N * H * W, three launches each way:
+// Training-mode batch norm [+ residual] + activation on a channels_last
+// tensor seen as (rows, C), rows = N * H * W, three launches each way:
 //  1. a reduction over rows: thread (lane, row lane) of a block owns V
 //     channels (one 16-byte vector) of a chunk of at most 32 vectors and
 //     every R-th row of its row block, so a warp reads contiguous memory;

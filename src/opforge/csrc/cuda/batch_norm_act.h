@@ -1,7 +1,8 @@
 // Training-mode batch norm + activation over a channels_last tensor on CUDA:
 // conv2d_batch_norm's own engine (batch_norm_act.cu). Three launches each
 // way and no zero-filled scratch, so a call costs little host time; the
-// activation and its derivative run inside the batch norm's passes.
+// activation and its derivative (and a residual added before the
+// activation) run inside the batch norm's passes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
