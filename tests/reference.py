@@ -103,6 +103,18 @@ def poisoned(device="cpu"):
         torch.utils.deterministic.fill_uninitialized_memory = old_fill
 
 
+@contextlib.contextmanager
+def cudnn_flags(**changes):
+    """cuDNN's flags (``allow_tf32``, ``deterministic``, ``benchmark``) changed inside the block and
+    put back after, through ``torch.backends.cudnn.flags``: setting them directly raises once any
+    test has imported torch.testing._internal.common_utils, which disables the global flags."""
+    cudnn = torch.backends.cudnn
+    now = dict(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic)
+    now["allow_tf32"] = cudnn.allow_tf32
+    with cudnn.flags(**{**now, **changes}):
+        yield
+
+
 def saved_and_loaded(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` through ``torch.save`` and ``torch.load`` (a whole module: not weights only)."""
     buffer = io.BytesIO()

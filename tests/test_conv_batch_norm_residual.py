@@ -10,15 +10,16 @@ import copy
 import pytest
 import torch
 from batch_norm_cases import ACTIVATIONS, JUMP_WIDTH, TOLERANCE, away_from_jumps_of
-from reference import poisoned, randomize_batchnorm
+from reference import cudnn_flags, poisoned, randomize_batchnorm
 
 import opforge
 
 
 @pytest.fixture(autouse=True)
-def full_float32_convs(monkeypatch):
+def full_float32_convs():
     """The conv in float32 (no TF32): the comparisons are with float64."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    with cudnn_flags(allow_tf32=False):
+        yield
 
 
 def block_of(channels, dtype, device, activation, channels_last, bias=False, bn_dtype=None):

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from reference import cudnn_flags
 from training_models import step, train_model
 
 import opforge
@@ -85,11 +86,14 @@ def test_a_shortcut_that_reads_the_conv_is_no_tail(tails_everywhere):
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_training_tails_on_the_cuda_engine(name, dtype, monkeypatch):
+def test_training_tails_on_the_cuda_engine(name, dtype):
     """channels_last on CUDA: every tail is fused and runs the engine; one step's loss and the
     gradients against the original in float64 (full float32 convs, deterministic cuDNN)."""
-    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    with cudnn_flags(deterministic=True, allow_tf32=False):
+        check_training_step_on_cuda(name, dtype)
+
+
+def check_training_step_on_cuda(name, dtype):
     model = train_model(name, "cuda").to(dtype=dtype, memory_format=torch.channels_last)
     exact = copy.deepcopy(model).double()
     x = torch.randn(4, 3, 64, 64, device="cuda", dtype=dtype).contiguous(memory_format=torch.channels_last)
