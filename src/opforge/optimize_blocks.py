@@ -281,6 +281,10 @@ def _call_count(graph: torch.fx.Graph, target: str) -> int:
 
 
 def _fuse_residual_tails(graph: torch.fx.Graph, modules: dict) -> list[ResidualTail]:
+    """Fuse every ``act(chain(x) + shortcut)``: an eval chain folds into the conv, a training chain runs
+    in opforge's batch norm engine. The first branch of the add that is a chain, and not an ancestor of
+    the shortcut, is the one fused."""
+    kinds = ((_conv_chain, _replace_tail), (_training_chain, _replace_training_tail))
     tails = []
     for act_node in list(graph.nodes):
         act = _activation_of(act_node, modules)
@@ -289,23 +293,21 @@ def _fuse_residual_tails(graph: torch.fx.Graph, modules: dict) -> list[ResidualT
         add = act_node.args[0]
         if not _is_plain_add(add) or _only_reader(add) is not act_node:
             continue
-        for i in (0, 1):
-            branch, shortcut = add.args[i], add.args[1 - i]
-            found = _conv_chain(graph, branch, modules)
-            if found is None or found[0] in _ancestors_of(shortcut):
-                continue
-            conv_node, bn_node = found
-            tails.append(_replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortcut))
-            break
-        else:
-            for i in (0, 1):
-                branch, shortcut = add.args[i], add.args[1 - i]
-                found = _training_chain(graph, branch, modules)
-                if found is None or found[0] in _ancestors_of(shortcut):
-                    continue
-                tails.append(_replace_training_tail(graph, modules, *found, add, act_node, act, shortcut))
+        for find, replace in kinds:
+            fused = _fuse_one_tail(graph, modules, find, replace, add, act_node, act)
+            if fused is not None:
+                tails.append(fused)
                 break
     return tails
+
+
+def _fuse_one_tail(graph, modules, find, replace, add, act_node, act) -> ResidualTail | None:
+    for i in (0, 1):
+        branch, shortcut = add.args[i], add.args[1 - i]
+        found = find(graph, branch, modules)
+        if found is not None and found[0] not in _ancestors_of(shortcut):
+            return replace(graph, modules, *found, add, act_node, act, shortcut)
+    return None
 
 
 def _activation_of(node, modules: dict) -> torch.nn.Module | None:
