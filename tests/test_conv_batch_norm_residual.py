@@ -219,3 +219,42 @@ def test_module_takes_the_residual(training):
     torch.testing.assert_close(layer(x, residual), modules_forward(ref, x, residual), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mine[1].running_var, ref[1].running_var, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(layer(x), ref[2](ref[1](ref[0](x))), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shortcut",
+    [lambda r: r[:1, :, :1, :1], lambda r: r.double()],
+    ids=["broadcast", "promoted"],
+)
+def test_module_adds_what_the_op_does_not_take_as_the_modules_do(shortcut):
+    """A shortcut that broadcasts or promotes: the module adds it after the batch norm, as the modules do
+    (the op itself takes only the conv output's shape and dtype)."""
+    block = block_of(16, torch.float32, "cpu", "relu", channels_last=False)
+    x, residual = inputs(block, torch.float32, "cpu", channels_last=False)
+    residual = shortcut(residual)
+    ref, mine = copy.deepcopy(block), copy.deepcopy(block)
+    layer = opforge.nn.ConvBatchNorm2d.of(mine[0], opforge.nn.BatchNormInConv.of(mine[1]), "relu")
+    got, want = layer(x, residual), modules_forward(ref, x, residual)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine[1].running_mean, ref[1].running_mean, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "silu"])
+def test_residual_changed_in_place_after_the_forward(activation):
+    """The modules' add keeps nothing of the residual for the backward; neither does the op where its
+    backward does not read it (here: torch's kernels on the CPU), so an in-place change after the
+    forward is allowed and the gradients are those of the modules."""
+    block = block_of(16, torch.float32, "cpu", activation, channels_last=False)
+    x, residual = inputs(block, torch.float32, "cpu", channels_last=False)
+    grads = []
+    for forward in (modules_forward, lambda b, xx, r: op_forward(b, xx, r, activation)):
+        b = copy.deepcopy(block)
+        source = residual.detach().clone().requires_grad_()
+        shortcut = source * 1
+        out = forward(b, x, shortcut)
+        shortcut.mul_(2)
+        out.sum().backward()
+        grads.append([source.grad, *[p.grad for p in b.parameters()]])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

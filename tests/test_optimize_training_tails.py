@@ -114,3 +114,63 @@ def check_training_step_on_cuda(name, dtype):
         # Within 4x the original's own error in its dtype, plus 0.2% of the gradient's norm (see
         # test_conv_batch_norm.test_optimize_training_step_cuda for why).
         assert ours <= 4 * theirs + 2e-3 * g.norm(), f"{k}: off by {ours:.2e}, torch's by {theirs:.2e}"
+
+
+class _TailBlock(torch.nn.Module):
+    """A training tail whose BatchNorm output is also returned (a feature for a second loss)."""
+
+    def __init__(self, relu=torch.nn.ReLU):
+        super().__init__()
+        self.conv, self.bn, self.relu = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4), relu()
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return self.relu(y + x), y
+
+
+def test_a_batch_norm_read_twice_is_no_tail(tails_everywhere):
+    model = torch.nn.Sequential(_TailBlock()).train()
+    fast, report = opforge.optimize(copy.deepcopy(model), report=True)
+    assert not tails(report)
+    x = torch.randn(2, 4, 8, 8)
+    for got, want in zip(fast(x), model(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_subclass_of_relu_ends_a_tail(tails_everywhere):
+    """A ReLU subclass that keeps ReLU's forward is a ReLU: the tail is fused with it."""
+
+    class MyReLU(torch.nn.ReLU):
+        pass
+
+    class Block(_TailBlock):
+        def forward(self, x):
+            return self.relu(self.bn(self.conv(x)) + x)
+
+    model = torch.nn.Sequential(Block(MyReLU)).train().double()
+    fast, report = opforge.optimize(copy.deepcopy(model), report=True)
+    assert [row.action for row in tails(report).values()] == [TAIL_ACTION.replace("ReLU", "MyReLU")]
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    assert torch.equal(step(fast, x), step(model, x))
+
+
+def test_a_shortcut_of_another_shape_or_dtype_trains(tails_everywhere):
+    """``relu(bn(conv(x)) + offset)`` with a broadcast parameter, or a shortcut of a wider dtype: the tail
+    is fused and the fused layer adds what the op does not take as the modules do."""
+
+    class Block(_TailBlock):
+        def __init__(self):
+            super().__init__()
+            self.offset = torch.nn.Parameter(torch.randn(1, 4, 1, 1, dtype=torch.float64))
+            self.conv2, self.bn2 = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.relu(self.bn(self.conv(x)) + self.offset) + self.relu(self.bn2(self.conv2(x)) + x.double())
+
+    model = torch.nn.Sequential(Block()).train()
+    fast, report = opforge.optimize(copy.deepcopy(model), report=True)
+    assert len(tails(report)) == 2
+    x = torch.randn(2, 4, 8, 8)
+    torch.testing.assert_close(step(fast, x), step(model, x))
+    for (key, a), b in zip(fast.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=key)

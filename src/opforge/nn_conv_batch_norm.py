@@ -114,6 +114,7 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
             and x.dim() == 4
             and not torch.compiler.is_compiling()
             and not torch.is_autocast_enabled(x.device.type)
+            and (residual is None or self._adds_in_op(x, residual))
         ):
             # Each module's tensors read once, from its registries (not through Module.__getattr__):
             # this runs per call of every chain.
@@ -143,6 +144,17 @@ class ConvBatchNorm2d(torch.nn.Conv2d):
             y = y + residual
         act = TORCH_ACTIVATIONS[self.activation]
         return y if act is None else act(y)
+
+    def _adds_in_op(self, x: torch.Tensor, residual) -> bool:
+        """Whether the op takes ``residual`` as the block's modules would add it: a tensor of the conv
+        output's shape, dtype and device (the modules also broadcast and promote; the op does not)."""
+        if not isinstance(residual, torch.Tensor) or residual.dtype != x.dtype or residual.device != x.device:
+            return False
+        size = [x.shape[0], self.out_channels]
+        for i in (0, 1):
+            reach = self.dilation[i] * (self.kernel_size[i] - 1) + 1
+            size.append((x.shape[2 + i] + 2 * self.padding[i] - reach) // self.stride[i] + 1)
+        return list(residual.shape) == size
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", batch_norm=({self.batch_norm.extra_repr()}), activation={self.activation!r}"

@@ -81,10 +81,10 @@ from .optimize_guard import ModelState, keep_optimized
 from .optimize_layout import choose_channels_last, faster_layout, install_channels_last, second_look_applies
 from .optimize_part import choose_part_layout
 from .optimize_patterns import (
-    FUSABLE_ACTIVATIONS,
     Chain,
     describe_conv,
     find_chains,
+    fusable_activation_name,
     is_kind,
     is_opforge_layer,
     is_scripted,
@@ -256,7 +256,7 @@ def _apply(model: torch.nn.Module, chain: Chain, x: torch.Tensor | None, measure
             return LayerReport(chain.conv, pattern, "BatchNorm folded", reason)
         return LayerReport(chain.conv, pattern, "left", "; ".join(r for r in (fold_note, reason) if r))
 
-    act_name = FUSABLE_ACTIVATIONS.get(type(act))
+    act_name = fusable_activation_name(act)
     # opforge's fused op where it has one; for inference also the vendor's fused conv (timed only).
     own = ConvCandidate.of(target, act_name)
     candidates = [own] + ([] if force else [PrepackedCandidate.of(target, act_name, x)])

@@ -51,6 +51,7 @@ from .optimize_patterns import (
     Tracer,
     batch_norm_kinds,
     describe_conv,
+    fusable_activation_name,
     is_kind,
     is_scripted,
     set_submodule,
@@ -58,9 +59,6 @@ from .optimize_patterns import (
     uses_batch_statistics,
 )
 
-# The activations a residual tail may end with, by opforge's name for them.
-_ACTIVATION_NAMES = {torch.nn.ReLU: "relu", torch.nn.ReLU6: "relu6", torch.nn.Hardswish: "hardswish"}
-_ACTIVATION_NAMES[torch.nn.SiLU] = "silu"
 _RELU_FUNCTIONS = (torch.relu, torch.nn.functional.relu)
 _ADDS = (operator.add, operator.iadd, torch.add)
 
@@ -312,7 +310,7 @@ def _fuse_one_tail(graph, modules, find, replace, add, act_node, act) -> Residua
 
 def _activation_of(node, modules: dict) -> torch.nn.Module | None:
     """The activation ``node`` applies, as a module: a module call, or ``F.relu`` / ``torch.relu``."""
-    m = _module_of(node, modules, tuple(_ACTIVATION_NAMES))
+    m = _module_of(node, modules, ACTIVATIONS)
     if m is not None:
         return m
     if node.op == "call_function" and node.target in _RELU_FUNCTIONS and len(node.args) == 1:
@@ -331,6 +329,8 @@ def _conv_chain(graph: torch.fx.Graph, node, modules: dict):
     """(conv node, BatchNorm node or None) where ``node`` is ``[bn](conv(x))``, each read once, eval mode."""
     bn_node = None
     if _module_of(node, modules, batch_norm_kinds()) is not None:
+        if len(node.users) != 1:  # the add alone reads the BatchNorm's output
+            return None
         bn_node, node = node, node.args[0]
         if _only_reader(node) is not bn_node or _call_count(graph, bn_node.target) != 1:
             return None
@@ -366,6 +366,8 @@ def _training_chain(graph: torch.fx.Graph, node, modules: dict):
     bn = _module_of(node, modules, torch.nn.BatchNorm2d)
     if bn is None or type(bn) is not torch.nn.BatchNorm2d or not bn.training or bn.momentum is None:
         return None
+    if len(node.users) != 1:  # the add alone reads the BatchNorm's output
+        return None
     conv_node = node.args[0] if len(node.args) == 1 and not node.kwargs else None
     conv = _module_of(conv_node, modules, torch.nn.Conv2d)
     if conv is None or type(conv) is not torch.nn.Conv2d or _only_reader(conv_node) is not node:
@@ -391,7 +393,7 @@ def _replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortc
     conv = modules[conv_node.target]
     bn = modules[bn_node.target] if bn_node is not None else None
     target = folded_conv(conv, bn) if bn is not None else conv
-    layer = ConvResidual.from_conv(target, activation=_ACTIVATION_NAMES[type(act)])
+    layer = ConvResidual.from_conv(target, activation=fusable_activation_name(act))
     modules[conv_node.target] = layer  # the tail takes the conv's name, so its parameters keep theirs
     with graph.inserting_before(add):
         fused = graph.call_module(conv_node.target, (conv_node.args[0], shortcut))
@@ -406,7 +408,7 @@ def _replace_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortc
 def _replace_training_tail(graph, modules, conv_node, bn_node, add, act_node, act, shortcut) -> ResidualTail:
     conv, bn = modules[conv_node.target], modules[bn_node.target]
     batch_norm = BatchNormInConv.of(bn)
-    modules[conv_node.target] = ConvBatchNorm2d.of(conv, batch_norm, _ACTIVATION_NAMES[type(act)])
+    modules[conv_node.target] = ConvBatchNorm2d.of(conv, batch_norm, fusable_activation_name(act))
     modules[bn_node.target] = batch_norm
     with graph.inserting_before(add):
         fused = graph.call_module(conv_node.target, (conv_node.args[0], shortcut))

@@ -36,6 +36,15 @@ FUSABLE_ACTIVATIONS = {
 }
 
 
+def fusable_activation_name(act: torch.nn.Module | None) -> str | None:
+    """opforge's name for ``act``'s function, or None: a subclass that keeps its kind's forward
+    (``is_kind``) computes what its kind does, so it takes the kind's name."""
+    for kind in type(act).__mro__ if act is not None else ():
+        if kind in FUSABLE_ACTIVATIONS:
+            return FUSABLE_ACTIVATIONS[kind] if is_kind(act, kind) else None
+    return None
+
+
 def batch_norm_kinds() -> tuple[type, ...]:
     """BatchNorm2d, and torchvision's FrozenBatchNorm2d (detection backbones) where torchvision is loaded.
 

@@ -30,7 +30,7 @@ from .nn_conv_batch_norm import BatchNormAct2d, BatchNormInConv, ConvBatchNorm2d
 from .ops.conv_batch_norm import why_not_own_engine
 from .optimize_blocks import has_hooks
 from .optimize_choice import ConvCandidate, faster_with_opforge, training_times_us, winner
-from .optimize_patterns import FUSABLE_ACTIVATIONS, Chain, set_submodule
+from .optimize_patterns import Chain, fusable_activation_name, set_submodule
 from .optimize_report import LayerReport
 
 _NOT_FOLDED = "training mode: BatchNorm is not folded"
@@ -67,7 +67,7 @@ def train_chain(model, chain: Chain, conv, bn, act, pattern: str, x: torch.Tenso
 
 
 def _install_op(model, chain: Chain, conv, bn, act, pattern: str, why: str) -> LayerReport:
-    act_name = FUSABLE_ACTIVATIONS.get(type(act))
+    act_name = fusable_activation_name(act)
     batch_norm = BatchNormInConv.of(bn)
     set_submodule(model, chain.conv, ConvBatchNorm2d.of(conv, batch_norm, act_name))
     set_submodule(model, chain.bn, batch_norm)
@@ -109,7 +109,7 @@ def _fastest_on_cpu(model, chain: Chain, conv, bn, act, pattern: str, x: torch.T
     """The chain as one op, opforge's conv alone with the modules after it, opforge's conv with the
     batch norm op after it, or the modules, whichever times fastest forward and backward on ``x``
     (by the timing's margin over the modules)."""
-    act_name = FUSABLE_ACTIVATIONS.get(type(act))
+    act_name = fusable_activation_name(act)
     own, why_not = _own_conv(conv)
     # A copy of the BatchNorm runs the timings: they must not move the model's running statistics.
     timed_bn = copy.deepcopy(bn)

@@ -172,8 +172,11 @@ struct ConvBatchNormFunction : torch::autograd::Function<ConvBatchNormFunction> 
     const bool from_output = opforge::derivative_from_output(act);
     // The own engine recomputes the pre-activation from conv_out: it keeps neither.
     const at::Tensor kept = r.impl_index == kOwnEngine ? at::Tensor() : (from_output ? r.out : r.pre_act);
+    // The residual is read again only where the own engine recomputes an activation's input; saved
+    // elsewhere it would outlive the add (and reject an in-place change the modules allow).
+    const at::Tensor kept_residual = r.impl_index == kOwnEngine && act != Activation::None ? residual : at::Tensor();
     ctx->save_for_backward({x, w, r.conv_out, bn_weight, running_mean, running_var, r.save_mean, r.save_invstd,
-                            r.reserve, kept, value_or_undefined(bn_bias_arg), residual});
+                            r.reserve, kept, value_or_undefined(bn_bias_arg), kept_residual});
     return r.out;
   }
 
