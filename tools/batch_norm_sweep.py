@@ -22,14 +22,20 @@ speed-up and the worst case, forward and forward + backward.
 
 from __future__ import annotations
 
-import argparse
-import random
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from sweep_common import collect_conv_shapes, run_recorded, summarize, time_ms, write_report
+from sweep_common import (
+    collect_conv_shapes,
+    fair_order,
+    parse_sweep_args,
+    run_recorded,
+    summarize,
+    sweep_parser,
+    time_ms,
+    write_report,
+)
 
 MODELS = ("resnet18", "resnet50", "mobilenet_v2", "mobilenet_v3_large", "regnet_y_400mf")
 
@@ -135,26 +141,16 @@ def _worst_by_dtype(cases, dtypes, key) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write every case and the summary here")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--batches", default="64")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--max-seconds", type=float, default=None, help="stop timing new shapes after this long")
-    args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("batch_norm_sweep: no CUDA GPU (--device cpu times the CPU engine)")
+    ap = sweep_parser(__doc__, "64", "the eager modules (cuDNN or ATen)")
+    args = parse_sweep_args(ap, argv, "batch_norm_sweep")
+    if args is None:
         return 2
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    dtypes = args.dtypes
     layouts = (True,) if args.device == "cuda" else (False, True)
     shapes = collect_shapes()
     cases, errors = [], []
-    start, done = time.monotonic(), 0
-    order = sorted(shapes.items())
-    random.Random(0).shuffle(order)  # a run cut short by --max-seconds is still a fair sample
-    for key, models in order:
-        if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
-            break
+    done = 0
+    for key, models in fair_order(shapes, args.max_seconds):
         done += 1
         c, k, kh, kw, h, w, s, p, groups = key
         for n in (int(v) for v in args.batches.split(",")):

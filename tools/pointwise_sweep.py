@@ -19,14 +19,21 @@ under 60% of the device-copy floor (input read once, output written once).
 
 from __future__ import annotations
 
-import argparse
-import random
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from sweep_common import collect_conv_shapes, copy_bandwidth_gbs, run_recorded, summarize, time_ms, write_report
+from sweep_common import (
+    collect_conv_shapes,
+    copy_bandwidth_gbs,
+    fair_order,
+    parse_sweep_args,
+    run_recorded,
+    summarize,
+    sweep_parser,
+    time_ms,
+    write_report,
+)
 
 MODELS = (
     "mobilenet_v2",
@@ -78,26 +85,16 @@ def run_case(key, n, dtype, channels_last, activation, device="cuda"):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", help="write every case and the summary here")
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="peer: cuDNN (cuda) or ATen (cpu)")
-    ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--max-seconds", type=float, default=None, help="stop timing new shapes after this long")
-    args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("pointwise_sweep: no CUDA GPU (--device cpu times the CPU kernels)")
+    ap = sweep_parser(__doc__, "1,64", "cuDNN (cuda) or ATen (cpu)")
+    args = parse_sweep_args(ap, argv, "pointwise_sweep")
+    if args is None:
         return 2
-    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    dtypes = args.dtypes
     shapes = collect_shapes()
     floor = copy_bandwidth_gbs(args.device)
     cases, errors = [], []
-    start, done = time.monotonic(), 0
-    order = sorted(shapes.items())
-    random.Random(0).shuffle(order)  # a run cut short by --max-seconds is still a fair sample
-    for key, models in order:
-        if args.max_seconds is not None and time.monotonic() - start > args.max_seconds:
-            break
+    done = 0
+    for key, models in fair_order(shapes, args.max_seconds):
         done += 1
         for n in (int(b) for b in args.batches.split(",")):
             for dtype in dtypes:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import random
 import statistics
 import time
 
@@ -121,3 +123,37 @@ def write_report(summary: dict, cases: list, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"summary": summary, "cases": cases}, f, indent=1)
+
+
+def sweep_parser(doc: str, batches: str, peer: str) -> argparse.ArgumentParser:
+    """The arguments every sweep takes: --json, --device, --batches, --dtypes (and --max-seconds, read by
+    ``fair_order``). ``peer``: what each case is timed against, for --device's help."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--json", help="write every case and the summary here")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=f"peer: {peer}")
+    ap.add_argument("--batches", default=batches)
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop timing new shapes after this long")
+    return ap
+
+
+def parse_sweep_args(ap: argparse.ArgumentParser, argv, tool: str):
+    """The parsed arguments, ``--dtypes`` as torch dtypes; None (said) where --device cuda has no GPU."""
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{tool}: no CUDA GPU (--device cpu times the CPU's kernels)")
+        return None
+    args.dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    return args
+
+
+def fair_order(shapes: dict, max_seconds: float | None):
+    """The shapes' items in a fixed shuffled order, until ``max_seconds`` have passed: a run cut short is
+    still a fair sample of them."""
+    order = sorted(shapes.items())
+    random.Random(0).shuffle(order)
+    start = time.monotonic()
+    for item in order:
+        if max_seconds is not None and time.monotonic() - start > max_seconds:
+            return
+        yield item
