@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from sweep_common import (
     collect_conv_shapes,
     fair_order,
+    max_rel_err,
     parse_sweep_args,
     run_recorded,
     summarize,
@@ -64,10 +65,6 @@ def _ours(x, w, g, b, mean, var, stride, padding, groups, residual):
     return opforge.conv2d_batch_norm(
         x, w, None, g, b, mean, var, None, stride, padding, 1, groups, 0.1, 1e-5, "relu", residual
     )
-
-
-def _max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def _norm_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -106,7 +103,7 @@ def run_case(key, n, dtype, channels_last, with_residual, device="cuda"):
         got_in = [t.detach().clone().requires_grad_() for t in leaves]
         out = call(fn, got_in, stats(dtype))
         out.backward(grad.to(dtype))
-        errors[label + "max_rel_err"] = _max_rel_err(out, ref_out)
+        errors[label + "max_rel_err"] = max_rel_err(out, ref_out)
         errors[label + "grad_rel_err"] = max(_norm_rel_err(a.grad, r.grad) for a, r in zip(got_in, ref_in))
 
     run_stats = stats(dtype)
@@ -137,7 +134,7 @@ def run_case(key, n, dtype, channels_last, with_residual, device="cuda"):
 
 def _worst_by_dtype(cases, dtypes, key) -> dict:
     names = [str(dt)[6:] for dt in dtypes]
-    return {name: max((c[key] for c in cases if f" {name} " in c["case"]), default=None) for name in names}
+    return {name: max((c[key] for c in cases if c["dtype"] == name), default=None) for name in names}
 
 
 def main(argv=None) -> int:
@@ -159,7 +156,8 @@ def main(argv=None) -> int:
                     for residual in (False, True):
                         name = f"N{n} C{c}->{k} {kh}x{kw} g{groups} {h}x{w} s{s} p{p} {str(dtype)[6:]} "
                         name += ("NHWC" if cl else "NCHW") + (" +res" if residual else "") + f" ({','.join(models)})"
-                        run_recorded(name, run_case, (key, n, dtype, cl, residual, args.device), cases, errors)
+                        case_args = (key, n, dtype, cl, residual, args.device)
+                        run_recorded(name, run_case, case_args, cases, errors, dtype=str(dtype)[6:])
     summary = {
         "device": args.device,
         "threads": torch.get_num_threads(),

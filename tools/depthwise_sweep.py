@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from sweep_common import (
     collect_conv_shapes,
     copy_bandwidth_gbs,
+    max_rel_err,
     run_recorded,
     summarize,
     time_ms,
@@ -86,7 +87,7 @@ def run_case(key, n, dtype, channels_last, backward=True, device="cuda"):
     with torch.no_grad():
         ours = opforge.conv2d_3x3(x, wt, b, s, p, c)
         ref = F.conv2d(x.double(), wt.double(), b.double(), s, p, 1, c)
-        err = ((ours.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        err = max_rel_err(ours, ref)
         fwd = timed(lambda: opforge.conv2d_3x3(x, wt, b, s, p, c), lambda: F.conv2d(x, wt, b, s, p, 1, c))
     moved = (x.numel() + ours.numel()) * x.element_size()
     if not backward:

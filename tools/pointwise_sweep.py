@@ -27,6 +27,7 @@ from sweep_common import (
     collect_conv_shapes,
     copy_bandwidth_gbs,
     fair_order,
+    max_rel_err,
     parse_sweep_args,
     run_recorded,
     summarize,
@@ -75,7 +76,7 @@ def run_case(key, n, dtype, channels_last, activation, device="cuda"):
     with torch.no_grad():
         ours = opforge.conv2d_1x1(x, wt, b, s, activation)
         ref = act(F.conv2d(x.double(), wt.double(), b.double(), s))
-        err = ((ours.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        err = max_rel_err(ours, ref)
         fwd = (
             time_ms(lambda: opforge.conv2d_1x1(x, wt, b, s, activation), 10, 3, device),
             time_ms(lambda: act(F.conv2d(x, wt, b, s)), 10, 3, device),

@@ -36,6 +36,11 @@ def time_ms(fn, reps=20, rounds=5, device="cuda") -> float:
     return statistics.median(out)
 
 
+def max_rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest absolute error against the float64 ``ref``, relative to ``ref``'s largest value."""
+    return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
 def time_pair_ms(ours, theirs, reps=5, rounds=7) -> tuple[float, float]:
     """Both sides' median time per call in ms on the host's clock, taking turns round by round,
     so that a drift of the machine's speed (the CPU's) does not favour the side timed first."""
