@@ -7,25 +7,30 @@ user would, once in eval mode and once in training mode, and checked:
 
 - eval: the optimized model's outputs against the original's, and both
   against the original run in float64 (relative to the largest output);
-  the original's own error is the larger of its NCHW and channels_last runs
-  (optimize may run a model channels_last inside, where torch's kernels
-  round differently);
+  where optimize runs the model channels_last inside, the original's own
+  error is the larger of its NCHW and channels_last runs (torch's kernels
+  round differently there: densenet121's training step with torch's layers
+  is 3.2e-2 of the largest gradient from float64 channels_last, 1.4e-3
+  NCHW, on the CPU);
 - training: one forward + backward of ``sum of squares' means`` over every
   output (a training googlenet or inception also returns its aux heads),
-  dropout and stochastic depth drawing the same masks (the same seed before
-  each forward); the loss and every gradient against float64's, relative to
-  the largest float64 gradient (the original's own error again the larger
-  of its two layouts', per parameter).
+  with dropout and stochastic depth off (``p = 0``: their masks would be
+  drawn in each layout's memory order); the loss and every gradient, paired
+  by parameter name, against float64's, relative to the largest float64
+  gradient.
 
 A small batch in training mode leaves BatchNorm a few values per channel,
 which amplifies rounding: the original's own float32 error is printed beside
 the optimized model's, and a model is flagged ``WORSE`` where the optimized
-one is more than twice as far from float64 as the original is (plus a floor:
-1e-5 of the largest output, 1e-4 of the largest gradient). The exit status is
+one is more than twice as far from float64 as the original is, on any
+output, on the loss or on any parameter's gradient (plus a floor: 1e-5 of
+the largest output or of the loss, 1e-4 of the largest gradient). A model
+optimize raises on is ``FAILED``, its traceback printed. The exit status is
 1 when any model failed or was flagged.
 
     python tools/model_zoo_check.py                        # every model up to 64M parameters
     python tools/model_zoo_check.py --models mobilenet_v2,googlenet --json zoo.json
+    python tools/model_zoo_check.py --force    # every layer opforge has a kernel for, untimed
 """
 
 from __future__ import annotations
@@ -35,21 +40,32 @@ import copy
 import json
 import sys
 import time
+import traceback
 
 import torch
 import torchvision
 
 import opforge
+from opforge.optimize_layout import has_channels_last_hooks
 
-FLOOR = {"eval": 1e-5, "train": 1e-4}
+FLOOR = {"outputs": 1e-5, "loss": 1e-5, "gradients": 1e-4}
 
 
-def randomized(name: str, size_limit: float) -> torch.nn.Module | None:
-    """The model with random BatchNorm state, or None when it has more than size_limit parameters."""
-    extra = {"init_weights": True} if name in ("googlenet", "inception_v3") else {}
-    model = torchvision.models.get_model(name, weights=None, **extra)
-    if sum(p.numel() for p in model.parameters()) > size_limit:
-        return None
+def parameter_count(name: str) -> int:
+    """The model's size, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in torchvision.models.get_model(name, weights=None, **_extra(name)).parameters())
+
+
+def _extra(name: str) -> dict:
+    # googlenet's and inception's init_weights, named: their default warns of a change to come.
+    return {"init_weights": True} if name in ("googlenet", "inception_v3") else {}
+
+
+def randomized(name: str) -> torch.nn.Module:
+    """The model with random BatchNorm state (a fresh model's mean 0 / variance 1 hides folding bugs)
+    and no dropout or stochastic depth."""
+    model = torchvision.models.get_model(name, weights=None, **_extra(name))
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
@@ -57,6 +73,8 @@ def randomized(name: str, size_limit: float) -> torch.nn.Module | None:
                 m.running_var.uniform_(0.5, 2.0)
                 m.weight.uniform_(0.5, 1.5)
                 m.bias.uniform_(-0.5, 0.5)
+            if isinstance(m, torch.nn.Dropout) or type(m).__name__ == "StochasticDepth":
+                m.p = 0.0
     return model
 
 
@@ -65,77 +83,111 @@ def outputs(y) -> list[torch.Tensor]:
     return [y] if isinstance(y, torch.Tensor) else [t for t in y if isinstance(t, torch.Tensor)]
 
 
-def rel(a: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
-    """The largest difference over all tensors, relative to the largest reference value."""
-    return max(rel_each(a, ref))
-
-
 def rel_each(a: list[torch.Tensor], ref: list[torch.Tensor]) -> list[float]:
     """Each tensor's largest difference, relative to the largest reference value of them all."""
     scale = max(r.abs().max().item() for r in ref) or 1.0
     return [(x.double() - r.double()).abs().max().item() / scale for x, r in zip(a, ref, strict=True)]
 
 
-def check_eval(model: torch.nn.Module, x: torch.Tensor) -> dict:
-    model = model.eval()
-    fast, report = opforge.optimize(model, example_inputs=(x,), report=True)
-    with torch.no_grad():
-        ref = outputs(model(x))
-        ref_cl = outputs(_channels_last(model)(_channels_last(x)))
-        got = outputs(fast(x))
-        exact = outputs(copy.deepcopy(model).double()(x.double()))
-    return {
-        "replaced": len(report.replaced),
-        "layers": len(report.layers),
-        "vs_original": rel(got, ref),
-        "original_vs_float64": max(rel(ref, exact), rel(ref_cl, exact)),
-        "optimized_vs_float64": rel(got, exact),
-    }
+def runs_channels_last(fast: torch.nn.Module) -> bool:
+    """Whether optimize made the model (or a part of it) run channels_last inside."""
+    return any(has_channels_last_hooks(m) for m in fast.modules())
 
 
 def _channels_last(m):
-    """A channels_last copy of a model or input: optimize may run a model that way inside, and torch's
-    own kernels round differently there (densenet121's training step: 3e-2 of the largest gradient
-    from float64 channels_last, 1.4e-3 NCHW, on the CPU)."""
     if isinstance(m, torch.Tensor):
         return m.contiguous(memory_format=torch.channels_last)
     return copy.deepcopy(m).to(memory_format=torch.channels_last)
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)  # the same dropout and stochastic-depth masks in every model
-    loss = sum(t.square().mean() for t in outputs(model(x)))
-    loss.backward()
-    return loss.item(), [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+def _baseline(errors: list[float], errors_cl: list[float] | None) -> list[float]:
+    """The original's own error per item: its NCHW run's, or the larger of both layouts' where the
+    optimized model runs channels_last."""
+    return errors if errors_cl is None else [max(a, b) for a, b in zip(errors, errors_cl, strict=True)]
 
 
-def check_train(model: torch.nn.Module, x: torch.Tensor) -> dict:
-    original = copy.deepcopy(model).train()
-    fast, report = opforge.optimize(copy.deepcopy(model).train(), example_inputs=(x,), report=True)
-    loss, grads = _step(original, x)
-    _, grads_cl = _step(_channels_last(original), _channels_last(x))
-    fast_loss, fast_grads = _step(fast, x)
-    exact_loss, exact_grads = _step(copy.deepcopy(model).train().double(), x.double())
-    errors = rel_each(fast_grads, exact_grads)
-    # The original's own error per parameter: the larger of its NCHW and channels_last runs.
-    original_errors = [max(a, b) for a, b in zip(rel_each(grads, exact_grads), rel_each(grads_cl, exact_grads))]
+def _compare(what: str, errors: list[float], baseline: list[float], names: list[str]) -> dict:
+    """The worst item and whether any item is more than twice the original's error from float64."""
     worst = max(range(len(errors)), key=errors.__getitem__)
+    bad = [n for n, e, b in zip(names, errors, baseline, strict=True) if e > 2 * b + FLOOR[what]]
     return {
-        "worst_parameter": [name for name, _ in model.named_parameters()][worst],
-        "worst_parameter_original_vs_float64": original_errors[worst],
-        "replaced": len(report.replaced),
-        "loss_vs_original": abs(fast_loss - loss) / abs(exact_loss),
-        "original_loss_vs_float64": abs(loss - exact_loss) / abs(exact_loss),
-        "optimized_loss_vs_float64": abs(fast_loss - exact_loss) / abs(exact_loss),
-        "original_vs_float64": max(original_errors),
-        "optimized_vs_float64": errors[worst],
+        f"{what}_vs_float64": errors[worst],
+        f"original_{what}_vs_float64": max(baseline),
+        f"worst_{what}": names[worst],
+        f"worse_{what}": bad,
     }
 
 
-def worse(mode: str, r: dict) -> bool:
-    """The optimized model is more than twice as far from float64 as the original (plus the floor)."""
-    return r["optimized_vs_float64"] > 2 * r["original_vs_float64"] + FLOOR[mode]
+def optimize(model: torch.nn.Module, x: torch.Tensor, force: bool):
+    if force:
+        return opforge.optimize(model, report=True, force=True)
+    return opforge.optimize(model, example_inputs=(x,), report=True)
+
+
+def check_eval(model: torch.nn.Module, x: torch.Tensor, force: bool = False) -> dict:
+    model = model.eval()
+    fast, report = optimize(model, x, force)
+    cl = runs_channels_last(fast)
+    with torch.no_grad():
+        ref = outputs(model(x))
+        got = outputs(fast(x))
+        exact = outputs(copy.deepcopy(model).double()(x.double()))
+        ref_cl = outputs(_channels_last(model)(_channels_last(x))) if cl else None
+    names = [f"output {i}" for i in range(len(exact))]
+    baseline = _baseline(rel_each(ref, exact), rel_each(ref_cl, exact) if cl else None)
+    return {
+        "replaced": len(report.replaced),
+        "layers": len(report.layers),
+        "channels_last_inside": cl,
+        "vs_original": max(rel_each(got, ref)),
+        **_compare("outputs", rel_each(got, exact), baseline, names),
+    }
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward + backward from zeroed gradients: (the loss, each parameter's gradient by name)."""
+    model.zero_grad(set_to_none=True)
+    loss = sum(t.square().mean() for t in outputs(model(x)))
+    loss.backward()
+    return loss.item(), {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+
+
+def check_train(model: torch.nn.Module, x: torch.Tensor, force: bool = False) -> dict:
+    original = copy.deepcopy(model).train()
+    fast, report = optimize(copy.deepcopy(model).train(), x, force)
+    cl = runs_channels_last(fast)
+    loss, grads = _step(original, x)
+    fast_loss, fast_grads = _step(fast, x)
+    exact_loss, exact_grads = _step(copy.deepcopy(model).train().double(), x.double())
+    if not (grads.keys() == fast_grads.keys() == exact_grads.keys()):
+        raise RuntimeError("the optimized model's parameter names differ from the original's")
+    names = list(exact_grads)
+    exact = [exact_grads[n] for n in names]
+    loss_cl, grads_cl = _step(_channels_last(original), _channels_last(x)) if cl else (None, None)
+
+    def loss_err(v):
+        return [abs(v - exact_loss) / abs(exact_loss)]
+
+    return {
+        "replaced": len(report.replaced),
+        "channels_last_inside": cl,
+        "loss_vs_original": abs(fast_loss - loss) / abs(exact_loss),
+        **_compare("loss", loss_err(fast_loss), _baseline(loss_err(loss), loss_err(loss_cl) if cl else None), ["loss"]),
+        **_compare(
+            "gradients",
+            rel_each([fast_grads[n] for n in names], exact),
+            _baseline(
+                rel_each([grads[n] for n in names], exact),
+                rel_each([grads_cl[n] for n in names], exact) if cl else None,
+            ),
+            names,
+        ),
+    }
+
+
+def worse(row: dict) -> list[str]:
+    """What of a checked model is more than twice the original's error from float64."""
+    return [n for mode in ("eval", "train") for k, v in row.get(mode, {}).items() if k.startswith("worse_") for n in v]
 
 
 def describe(row: dict) -> str:
@@ -145,11 +197,30 @@ def describe(row: dict) -> str:
     return (
         f"{row['model']:24s} {row['flag'][:60]:6s} "
         f"eval {ev.get('replaced', '-')}/{ev.get('layers', '-')} replaced, "
-        f"vs f64 {ev.get('optimized_vs_float64', nan):.1e} (original {ev.get('original_vs_float64', nan):.1e}) | "
+        f"vs f64 {ev.get('outputs_vs_float64', nan):.1e} (original {ev.get('original_outputs_vs_float64', nan):.1e}) | "
         f"train {tr.get('replaced', '-')} replaced, "
-        f"grads vs f64 {tr.get('optimized_vs_float64', nan):.1e} (original {tr.get('original_vs_float64', nan):.1e})"
-        f" | {row['seconds']}s" + (f" | worst: {tr['worst_parameter']}" if row["flag"] == "WORSE" else "")
+        f"grads vs f64 {tr.get('gradients_vs_float64', nan):.1e} "
+        f"(original {tr.get('original_gradients_vs_float64', nan):.1e}) | {row['seconds']}s"
+        + (f" | worse: {', '.join(row['worse'][:3])}" if row.get("worse") else "")
     )
+
+
+def check_model(name: str, args) -> dict:
+    torch.manual_seed(0)
+    row = {"model": name, "image": max(args.image, 299) if name == "inception_v3" else args.image}
+    t0 = time.perf_counter()
+    try:
+        model = randomized(name)
+        x = torch.randn(args.batch, 3, row["image"], row["image"])
+        row["eval"] = check_eval(copy.deepcopy(model), x, args.force)
+        row["train"] = check_train(model, x, args.force)
+        row["worse"] = worse(row)
+        row["flag"] = "WORSE" if row["worse"] else "ok"
+    except Exception as e:  # a model optimize cannot take is a finding: reported, and the run goes on
+        traceback.print_exc()
+        row["flag"] = f"FAILED {type(e).__name__}: {e}"
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
 
 
 def main(argv=None) -> int:
@@ -158,36 +229,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-params", type=float, default=64e6, help="skip larger models (default: alexnet in, vgg out)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--image", type=int, default=96, help="input height and width (inception_v3: at least 299)")
+    ap.add_argument("--force", action="store_true", help="swap every layer opforge has a kernel for, untimed")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     names = args.models.split(",") if args.models else torchvision.models.list_models(module=torchvision.models)
-    results, bad = [], []
+    results = []
     for name in names:
-        t0 = time.perf_counter()
-        torch.manual_seed(0)
-        row = {"model": name}
-        try:
-            model = randomized(name, args.max_params)
-            if model is None:
-                print(f"{name:24s} skipped: more than --max-params {args.max_params:.0f} parameters")
-                continue
-            image = max(args.image, 299) if name == "inception_v3" else args.image
-            x = torch.randn(args.batch, 3, image, image)
-            row["eval"] = check_eval(copy.deepcopy(model), x)
-            row["train"] = check_train(model, x)
-            row["flag"] = "WORSE" if worse("eval", row["eval"]) or worse("train", row["train"]) else "ok"
-        except Exception as e:  # a model optimize cannot take is a finding, not the end of the run
-            row["flag"] = f"FAILED {type(e).__name__}: {e}"
-        row["seconds"] = round(time.perf_counter() - t0, 1)
-        results.append(row)
-        if row["flag"] != "ok":
-            bad.append(name)
-        print(describe(row), flush=True)
+        if parameter_count(name) > args.max_params:
+            print(f"{name:24s} skipped: more than --max-params {args.max_params:.0f} parameters")
+            continue
+        results.append(check_model(name, args))
+        print(describe(results[-1]), flush=True)
+    bad = [r["model"] for r in results if r["flag"] != "ok"]
     print(f"{len(results)} models, {len(bad)} failed or worse than the original: {', '.join(bad) or 'none'}")
     if args.json:
         env = {"torch": torch.__version__, "torchvision": torchvision.__version__, "batch": args.batch}
         with open(args.json, "w") as f:
-            json.dump({"environment": env | {"image": args.image}, "results": results}, f, indent=1)
+            json.dump({"environment": env | {"force": args.force}, "results": results}, f, indent=1)
     return 1 if bad else 0
 
 
