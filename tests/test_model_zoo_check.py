@@ -39,6 +39,12 @@ def test_flags_each_item_farther_from_float64_than_twice_the_original():
     assert model_zoo_check._baseline([1e-3, 2e-3], [3e-3, 1e-3]) == [3e-3, 2e-3]
 
 
+def test_counts_parameters_of_models_that_build_on_meta_and_of_those_that_do_not():
+    for name in ("squeezenet1_1", "regnet_y_400mf"):  # regnet's constructor reads tensor values
+        model = model_zoo_check.randomized(name)
+        assert model_zoo_check.parameter_count(name) == sum(p.numel() for p in model.parameters())
+
+
 def test_a_model_optimize_cannot_take_is_reported_not_raised(monkeypatch, capsys):
     def broken(*args, **kwargs):
         raise RuntimeError("no")

@@ -52,9 +52,13 @@ FLOOR = {"outputs": 1e-5, "loss": 1e-5, "gradients": 1e-4}
 
 
 def parameter_count(name: str) -> int:
-    """The model's size, counted on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in torchvision.models.get_model(name, weights=None, **_extra(name)).parameters())
+    """The model's size, counted on the meta device (nothing allocated) where it builds there."""
+    try:
+        with torch.device("meta"):
+            model = torchvision.models.get_model(name, weights=None, **_extra(name))
+    except NotImplementedError:  # a constructor that reads a tensor's value (regnet's block widths)
+        model = torchvision.models.get_model(name, weights=None, **_extra(name))
+    return sum(p.numel() for p in model.parameters())
 
 
 def _extra(name: str) -> dict:
