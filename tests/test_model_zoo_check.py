@@ -24,16 +24,21 @@ def test_checks_a_model_in_eval_and_training_against_float64(tmp_path):
     assert 0 < row["eval"]["original_outputs_vs_float64"] < 1e-5  # float32 rounding, measured
     assert row["eval"]["outputs_vs_float64"] < 1e-5
     assert row["train"]["gradients_vs_float64"] < 1e-3
+    assert row["eval"]["outputs_in_float64_vs_float64"] < 1e-12  # the same math, in float64
+    assert row["train"]["gradients_in_float64_vs_float64"] < 1e-12
     names = {name for name, _ in model_zoo_check.randomized("squeezenet1_1").named_parameters()}
     assert row["train"]["worst_gradients"] in names
 
 
-def test_flags_each_item_farther_from_float64_than_twice_the_original():
-    # Per item: the second parameter's error hides behind no other parameter's larger baseline.
-    r = model_zoo_check._compare("gradients", [1e-3, 5e-3], [5e-3, 1e-3], ["a", "b"])
-    assert r["worse_gradients"] == ["b"] and r["worst_gradients"] == "b"
-    assert model_zoo_check._compare("outputs", [2e-6], [1e-6], ["output 0"])["worse_outputs"] == []
-    assert model_zoo_check._compare("loss", [3e-5], [1e-6], ["loss"])["worse_loss"] == ["loss"]
+def test_flags_any_item_in_float64_and_the_worst_float32_item():
+    # float64: each item against EXACT, so no parameter's error hides behind another's.
+    r = model_zoo_check._compare("gradients", [1e-3, 5e-3], [5e-3, 1e-3], ["a", "b"], [1e-15, 1e-6])
+    assert r["worse_gradients"] == ["b in float64"] and r["worst_gradients"] == "b"
+    assert r["float32_gradients_beyond_original"] == ["b"]  # listed, judged model-wide: 5e-3 < 2 * 5e-3
+    r = model_zoo_check._compare("gradients", [3e-2], [1e-2], ["a"], [1e-15])
+    assert r["worse_gradients"] == ["float32 gradients"]
+    assert model_zoo_check._compare("outputs", [2e-6], [1e-6], ["output 0"], [0.0])["worse_outputs"] == []
+    assert model_zoo_check._compare("loss", [3e-5], [1e-6], ["loss"], [0.0])["worse_loss"] == ["float32 loss"]
     # The original's error per item: the larger of its two layouts'.
     assert model_zoo_check._baseline([1e-3, 2e-3], [3e-3, 1e-3]) == [3e-3, 2e-3]
 
