@@ -14,11 +14,13 @@ user would, once in eval mode and once in training mode, and checked:
   by parameter name, against float64's, relative to the largest float64
   gradient.
 
-Two judgements. The optimized model converted to float64 (``.double()``,
-the layers optimize chose for float32) against the original in float64,
-item by item (each output, the loss, each parameter's gradient): the same
-math in other summation orders, so anything beyond ``EXACT`` (1e-9 of the
-largest) is a wrong formula or a dropped term. And float32 rounding,
+Two judgements. The optimized model in float64 against the original in
+float64, item by item (each output, the loss, each parameter's gradient):
+the same math in other summation orders, so anything beyond ``EXACT``
+(1e-9 of the largest) is a wrong formula or a dropped term. In training
+that is the model optimize made, converted (``.double()``); in eval, where
+BatchNorm is folded into the weights in the model's dtype, a float64 copy
+optimized with every layer swapped (``force``). And float32 rounding,
 model-wide: the optimized model's worst item against the original's worst
 (more than twice as far from float64, plus a floor: 1e-5 of the largest
 output or of the loss, 1e-4 of the largest gradient), the original's error
@@ -151,7 +153,7 @@ def check_eval(model: torch.nn.Module, x: torch.Tensor, force: bool = False) -> 
         got = outputs(fast(x))
         exact = outputs(copy.deepcopy(model).double()(x.double()))
         ref_cl = outputs(_channels_last(model)(_channels_last(x)))
-        got64 = outputs(copy.deepcopy(fast).double()(x.double()))
+        got64 = outputs(optimize(copy.deepcopy(model).double(), x.double(), True)[0](x.double()))
     names = [f"output {i}" for i in range(len(exact))]
     baseline = _baseline(rel_each(ref, exact), rel_each(ref_cl, exact))
     return {
