@@ -27,13 +27,8 @@ output or of the loss, 1e-4 of the largest gradient), the original's error
 being the larger of its NCHW and channels_last runs', both torch's
 float32. Items are listed beyond the original's but not flagged in
 float32: a small training batch turns single roundings into ReLU
-decisions that move whole gradients. densenet121 (batch 2, 96x96, CPU):
-torch's NCHW step is 3.1e-3 of the largest gradient from float64, its
-channels_last step 3.2e-2, and optimized NCHW with opforge's 1x1 convs and
-batch norm ops 3.2e-2 (1.3e-3 from torch's channels_last step), its ReLUs
-deciding one value otherwise than float64's in each of five layers,
-torch's NCHW in each of four others; the same model in float64 is 5e-14
-from the original's.
+decisions that move whole gradients (docs/optimize.md, "What the result
+supports", has the densenet121 case that showed it).
 A model optimize raises on is ``FAILED``, its traceback printed. The exit
 status is 1 when any model failed or was flagged.
 
@@ -58,8 +53,8 @@ import opforge
 from opforge.optimize_layout import has_channels_last_hooks
 
 FLOOR = {"outputs": 1e-5, "loss": 1e-5, "gradients": 1e-4}
-# The optimized model converted to float64 against the original in float64: the same math in
-# other summation orders, ~1e-15 apart; a wrong formula or a dropped term is far outside this.
+# The optimized model in float64 against the original in float64: the same math in other
+# summation orders, ~1e-15 apart; a wrong formula or a dropped term is far outside this.
 EXACT = 1e-9
 
 
