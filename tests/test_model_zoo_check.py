@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tools"))
 
@@ -58,3 +59,13 @@ def test_a_model_optimize_cannot_take_is_reported_not_raised(monkeypatch, capsys
     captured = capsys.readouterr()
     assert "FAILED RuntimeError" in captured.out
     assert "Traceback" in captured.err  # what raised, for a bug in the tool itself too
+
+
+def test_each_model_gets_an_input_size_it_can_take():
+    assert model_zoo_check.image_size("resnet18", 96) == 96
+    assert model_zoo_check.image_size("inception_v3", 96) == 299
+    # maxvit_t's last stage runs at 1/32 of the input in 7x7 partitions.
+    assert [model_zoo_check.image_size("maxvit_t", s) for s in (96, 224, 300)] == [224, 224, 448]
+    with torch.no_grad():
+        out = model_zoo_check.randomized("maxvit_t", 448).eval()(torch.randn(1, 3, 448, 448))
+    assert out.shape == (1, 1000)

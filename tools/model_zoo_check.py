@@ -73,10 +73,21 @@ def _extra(name: str) -> dict:
     return {"init_weights": True} if name in ("googlenet", "inception_v3") else {}
 
 
-def randomized(name: str) -> torch.nn.Module:
+def image_size(name: str, image: int) -> int:
+    """The input size the model can take nearest above ``image``: inception_v3 needs at least 299, and
+    maxvit_t's 7x7 partitions need a multiple of 224 (its last stage runs at 1/32 of the input)."""
+    if name == "inception_v3":
+        return max(image, 299)
+    if name == "maxvit_t":
+        return -(-image // 224) * 224
+    return image
+
+
+def randomized(name: str, image: int = 224) -> torch.nn.Module:
     """The model with random BatchNorm state (a fresh model's mean 0 / variance 1 hides folding bugs)
     and no dropout or stochastic depth."""
-    model = torchvision.models.get_model(name, weights=None, **_extra(name))
+    extra = _extra(name) | ({"input_size": (image, image)} if name == "maxvit_t" else {})
+    model = torchvision.models.get_model(name, weights=None, **extra)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
@@ -230,10 +241,10 @@ def describe(row: dict) -> str:
 
 def check_model(name: str, args) -> dict:
     torch.manual_seed(0)
-    row = {"model": name, "image": max(args.image, 299) if name == "inception_v3" else args.image}
+    row = {"model": name, "image": image_size(name, args.image)}
     t0 = time.perf_counter()
     try:
-        model = randomized(name)
+        model = randomized(name, row["image"])
         x = torch.randn(args.batch, 3, row["image"], row["image"])
         row["eval"] = check_eval(copy.deepcopy(model), x, args.force)
         row["train"] = check_train(model, x, args.force)
@@ -251,7 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", help="comma-separated (default: every classification model under --max-params)")
     ap.add_argument("--max-params", type=float, default=64e6, help="skip larger models (default: alexnet in, vgg out)")
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--image", type=int, default=96, help="input height and width (inception_v3: at least 299)")
+    ap.add_argument("--image", type=int, default=96, help="input size (see image_size())")
     ap.add_argument("--force", action="store_true", help="swap every layer opforge has a kernel for, untimed")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
