@@ -68,9 +68,12 @@ def parameter_count(name: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _extra(name: str) -> dict:
+def _extra(name: str, image: int = 224) -> dict:
     # googlenet's and inception's init_weights, named: their default warns of a change to come.
-    return {"init_weights": True} if name in ("googlenet", "inception_v3") else {}
+    if name in ("googlenet", "inception_v3"):
+        return {"init_weights": True}
+    # maxvit_t is built for one input size (its attention windows tile the feature maps).
+    return {"input_size": (image, image)} if name == "maxvit_t" else {}
 
 
 def image_size(name: str, image: int) -> int:
@@ -86,8 +89,7 @@ def image_size(name: str, image: int) -> int:
 def randomized(name: str, image: int = 224) -> torch.nn.Module:
     """The model with random BatchNorm state (a fresh model's mean 0 / variance 1 hides folding bugs)
     and no dropout or stochastic depth."""
-    extra = _extra(name) | ({"input_size": (image, image)} if name == "maxvit_t" else {})
-    model = torchvision.models.get_model(name, weights=None, **extra)
+    model = torchvision.models.get_model(name, weights=None, **_extra(name, image))
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
@@ -262,7 +264,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", help="comma-separated (default: every classification model under --max-params)")
     ap.add_argument("--max-params", type=float, default=64e6, help="skip larger models (default: alexnet in, vgg out)")
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--image", type=int, default=96, help="input size (see image_size())")
+    ap.add_argument(
+        "--image",
+        type=int,
+        default=96,
+        help="input height and width, raised where a model needs it (inception_v3: 299; maxvit_t: a multiple of 224)",
+    )
     ap.add_argument("--force", action="store_true", help="swap every layer opforge has a kernel for, untimed")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
