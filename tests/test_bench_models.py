@@ -22,11 +22,13 @@ def test_run_cell_checks_outputs_and_reports(mode, tmp_path):
     # 1x1), where the eager float32 output is itself 67% off float64's, so any other rounding
     # (opforge's convs, taken in training where they time faster) moves it as far.
     cell = models.Cell("mobilenet_v2", "cpu", "float32", 2, "channels_last", mode, image=64)
-    result = models.run_cell(cell, calls=1, repeats=1, only=("eager", "optimize"))
+    result = models.run_cell(cell, calls=1, repeats=3, only=("eager", "optimize"))
     for name in ("eager", "optimize"):
         t = result.providers[name]
         assert t.status == "ok" and t.ms > 0, t
         assert t.max_rel_error < 1e-4, t
+        # The median comes with the rounds it was taken from.
+        assert len(t.rounds_ms) == 3 and sorted(t.rounds_ms)[1] == pytest.approx(t.ms, rel=1e-3), t
     # What optimize did rides along with its time: the layer count and the model-level notes.
     assert result.providers["eager"].optimized is None
     assert " of 52 layers changed" in result.providers["optimize"].optimized
@@ -39,6 +41,7 @@ def test_run_cell_checks_outputs_and_reports(mode, tmp_path):
     assert data["results"][0]["providers"]["optimize"]["optimized"] == result.providers["optimize"].optimized
     _, back = models_report.read_json(str(path))
     assert back[0].providers["optimize"].optimized == result.providers["optimize"].optimized
+    assert back[0].providers["eager"].rounds_ms == result.providers["eager"].rounds_ms
 
 
 def test_merge_reads_back_what_was_written(tmp_path):

@@ -16,11 +16,11 @@ Each provider's output is first compared with the eager float32 model on the
 same input (max relative error, reported); then they are timed together: a
 warm-up each, then ``repeats`` rounds in which every provider runs one loop
 of ``calls`` calls in turn, the device synchronised around each loop; the
-median loop time per call is reported in milliseconds. Taking turns keeps a
-host whose speed drifts during the cell from favouring whichever provider
-ran first. A
-training step is forward, ``loss = out.float().square().mean()``, backward
-and an SGD step (dropout off, so that the outputs compare).
+median loop time per call is reported in milliseconds (each round's in the
+JSON, ``rounds_ms``). Taking turns keeps a host whose speed drifts during
+the cell from favouring whichever provider ran first. A training step is
+forward, ``loss = out.float().square().mean()``, backward and an SGD step
+(dropout off, so that the outputs compare).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class Timed:
     max_rel_error: float | None = None
     status: str = "ok"  # ok | n/a | failed: <reason>
     optimized: str | None = None  # optimize's providers: what its report says, in a line
+    # Each round's ms per call, in the order run: the spread behind the median, and whether a slow
+    # spell of the host hit some rounds (or every round of a cell). None: not timed, or an older run.
+    rounds_ms: list[float] | None = None
 
 
 @dataclasses.dataclass
@@ -150,9 +153,9 @@ def _max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: str, calls: int, repeats: int):
-    """Median ms per call of each fn, or its failure as text. The loops take turns (round r times
-    every provider once), so that a host or clock that drifts during the cell shifts every provider
-    alike."""
+    """Each fn's ms per call in every round, or its failure as text. The loops take turns (round r
+    times every provider once), so that a host or clock that drifts during the cell shifts every
+    provider alike."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     failed: dict[str, str] = {}
@@ -176,7 +179,7 @@ def _time_interleaved(fns: dict[str, Callable[[], torch.Tensor]], device: str, c
                 failed[name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
                 continue
             samples[name].append((time.perf_counter() - t0) / calls * 1e3)
-    return {name: failed.get(name) or statistics.median(v) for name, v in samples.items()}
+    return {name: failed.get(name) or v for name, v in samples.items()}
 
 
 def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[str, ...] = ()) -> CellResult:
@@ -205,7 +208,10 @@ def run_cell(cell: Cell, calls: int, repeats: int, seed: int = 0, only: tuple[st
         for provider in providers_for(cell):
             if provider in fns:
                 t = times[provider]
-                timed = Timed(status=t) if isinstance(t, str) else Timed(t, errors[provider])
+                if isinstance(t, str):
+                    timed = Timed(status=t)
+                else:
+                    timed = Timed(statistics.median(t), errors[provider], rounds_ms=[round(v, 5) for v in t])
                 result.providers[provider] = dataclasses.replace(timed, optimized=summaries[provider])
     finally:
         torch._dynamo.reset()
