@@ -90,6 +90,38 @@ def test_merge_keeps_the_last_result_of_a_cell(tmp_path):
     assert [r.providers["eager"].ms for r in results] == [3.0, 5.0]
 
 
+def test_merged_cells_name_the_run_that_measured_them(tmp_path):
+    """A merged table of several runs names, per cell, the sources, date and machine of its run;
+    the file's own environment keeps only what the runs share."""
+    from opforge import cli
+
+    a = models.Cell("mobilenet_v2", "cuda", "float32", 1, "nchw", "inference")
+    b = models.Cell("resnet18", "cuda", "float32", 1, "nchw", "inference")
+    run1 = {"gpu": "Test GPU", "torch": "x", "git_commit": "1" * 40, "date_utc": "2026-01-01T00:00:00Z"}
+    run2 = {"gpu": "Test GPU", "torch": "x", "git_commit": "2" * 40, "date_utc": "2026-02-01T00:00:00Z"}
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    models_report.write_json([_fake_result(a, 2.0), _fake_result(b, 5.0)], str(first), "cuda", run1)
+    models_report.write_json([_fake_result(a, 3.0)], str(second), "cuda", run2)
+    merged, md = tmp_path / "merged.json", tmp_path / "merged.md"
+    argv = ["bench", "models", "--merge", str(first), str(second), "--json", str(merged), "--markdown", str(md)]
+    assert cli.main(argv) == 0
+    env, results = models_report.read_json(str(merged))
+    assert env == {"gpu": "Test GPU", "torch": "x"}
+    assert [r.environment["git_commit"] for r in results] == ["2" * 40, "1" * 40]
+    text = md.read_text()
+    assert "| run |" in text and "Measured in 2 runs:" in text
+    assert "- run 1: sources 2222222, 2026-02-01, Test GPU: 1 cell" in text
+    assert "- run 2: sources 1111111, 2026-01-01, Test GPU: 1 cell" in text
+    # Merged again, with nothing new, the file reads back the same: each cell keeps its run.
+    again = tmp_path / "again.json"
+    assert cli.main(["bench", "models", "--merge", str(merged), "--json", str(again)]) == 0
+    env2, results2 = models_report.read_json(str(again))
+    assert env2 == env and [r.environment for r in results2] == [r.environment for r in results]
+    # One run's own file names no run per cell: its environment is the file's.
+    single = json.loads(first.read_text())
+    assert single["environment"] == run1 and all("environment" not in r for r in single["results"])
+
+
 def test_json_is_written_after_every_cell(tmp_path, monkeypatch):
     """A run stopped after its first cell leaves that cell in the --json file."""
     done = []

@@ -65,6 +65,9 @@ class Timed:
 class CellResult:
     cell: Cell
     providers: dict[str, Timed]
+    # The run that measured this cell (sources, date, machine), where it is not the file's own:
+    # a merged table holds cells of several runs. None: the run that wrote the file.
+    environment: dict | None = None
 
 
 def providers_for(cell: Cell) -> list[str]:

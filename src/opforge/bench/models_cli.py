@@ -95,16 +95,17 @@ def run(args) -> int:
 
 
 def _merge(args, models_report) -> int:
-    env, by_cell, replaced = None, {}, 0
+    by_cell, replaced = {}, 0
     for path in args.merge:
-        e, r = models_report.read_json(path)
-        env = env or e
+        _, r = models_report.read_json(path)
         for result in r:
             # A rerun of a cell replaces it in place: the table keeps the first file's order.
             replaced += result.cell in by_cell
             by_cell[result.cell] = result
     results = list(by_cell.values())
     device = results[0].cell.device if results else "cpu"
+    # Each cell keeps the environment of the run that measured it; the file's is what they share.
+    env = models_report.common_environment(results)
     print(models_report.table(results))
     if replaced:
         print(f"{replaced} cell(s) measured again in a later file: the later result is kept")

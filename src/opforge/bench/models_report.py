@@ -55,24 +55,42 @@ def table(results: list[CellResult]) -> str:
 
 
 def read_json(path: str) -> tuple[dict, list[CellResult]]:
-    """(environment, results) of a file write_json wrote: runs made apart merge into one table."""
+    """(environment, results) of a file write_json wrote: runs made apart merge into one table. Each
+    result carries the environment of the run that measured it (its own entry, else the file's)."""
     data = json.loads(Path(path).read_text())
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not an opforge bench models result (schema {data.get('schema')!r}, want {SCHEMA!r})")
     results = [
-        CellResult(Cell(**r["cell"]), {k: Timed(**v) for k, v in r["providers"].items()}) for r in data["results"]
+        CellResult(
+            Cell(**r["cell"]),
+            {k: Timed(**v) for k, v in r["providers"].items()},
+            r.get("environment") or data["environment"],
+        )
+        for r in data["results"]
     ]
     return data["environment"], results
 
 
+def common_environment(results: list[CellResult]) -> dict:
+    """What every result's run shares (torch, GPU, ...): a merged file's own environment, so that it
+    names no single run's sources or date for cells that other runs measured."""
+    envs = [r.environment for r in results if r.environment]
+    if not envs:
+        return {}
+    return {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
+
+
 def write_json(results: list[CellResult], path: str, device: str, env: dict | None = None) -> None:
+    env = environment(device) if env is None else env
     data = {
         "schema": SCHEMA,
-        "environment": env or environment(device),
+        "environment": env,
         "results": [
             {
                 "cell": dataclasses.asdict(r.cell),
                 "providers": {k: dataclasses.asdict(v) for k, v in r.providers.items()},
+                # A cell another run measured names that run.
+                **({"environment": r.environment} if r.environment and r.environment != env else {}),
             }
             for r in results
         ],
@@ -83,9 +101,35 @@ def write_json(results: list[CellResult], path: str, device: str, env: dict | No
     os.replace(tmp, path)
 
 
+# What tells one run from another: its sources and its machine (a run's cells may have been
+# measured by several commands, minutes apart, each with its own date and load).
+_RUN_KEYS = ("git_commit", "opforge", "torch", "gpu", "cpu", "platform")
+
+
+def _run_of(r: CellResult) -> tuple | None:
+    return None if r.environment is None else tuple(r.environment.get(k) for k in _RUN_KEYS)
+
+
+def _run_line(label: str, members: list[CellResult]) -> str:
+    env = members[0].environment
+    commit = (env.get("git_commit") or "unknown")[:7]
+    dates = sorted({r.environment["date_utc"][:10] for r in members if r.environment.get("date_utc")})
+    when = f", {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else ""
+    machine = ", ".join(str(env[k]) for k in ("gpu", "cpu") if env.get(k)) or "machine unknown"
+    cells = f"{len(members)} cell" + ("s" if len(members) != 1 else "")
+    return f"- run {label}: sources {commit}{when}, {machine}: {cells}"
+
+
 def write_markdown(results: list[CellResult], path: str, device: str, env: dict | None = None) -> None:
     header, body = rows(results)
-    env = env or environment(device)
+    env = environment(device) if env is None else env
+    runs = list(dict.fromkeys(_run_of(r) for r in results if r.environment is not None))  # first-seen order
+    labels = [str(i + 1) for i in range(len(runs))]
+    if len(runs) > 1:  # a merged table: each row says which run measured it
+        header = header + ["run"]
+        body = [
+            b + [labels[runs.index(_run_of(r))] if r.environment else "-"] for b, r in zip(body, results, strict=True)
+        ]
     lines = [
         f"# opforge on whole models ({device})",
         "",
@@ -97,6 +141,12 @@ def write_markdown(results: list[CellResult], path: str, device: str, env: dict 
         "| " + " | ".join("---" for _ in header) + " |",
     ]
     lines += ["| " + " | ".join(b) + " |" for b in body]
+    if len(runs) > 1:
+        lines += ["", f"Measured in {len(runs)} runs:", ""]
+        lines += [
+            _run_line(label, [r for r in results if r.environment and _run_of(r) == run])
+            for label, run in zip(labels, runs, strict=True)
+        ]
     Path(path).write_text("\n".join(lines) + "\n")
 
 
