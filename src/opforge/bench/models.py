@@ -65,8 +65,8 @@ class Timed:
 class CellResult:
     cell: Cell
     providers: dict[str, Timed]
-    # The run that measured this cell (sources, date, machine), where it is not the file's own:
-    # a merged table holds cells of several runs. None: the run that wrote the file.
+    # The run that measured this cell (sources, date, machine): a merged table holds cells of several
+    # runs. Read from a file, the cell's own entry, else the file's; None: the run being made.
     environment: dict | None = None
 
 
