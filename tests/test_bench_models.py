@@ -110,16 +110,39 @@ def test_merged_cells_name_the_run_that_measured_them(tmp_path):
     assert [r.environment["git_commit"] for r in results] == ["2" * 40, "1" * 40]
     text = md.read_text()
     assert "| run |" in text and "Measured in 2 runs:" in text
-    assert "- run 1: sources 2222222, 2026-02-01, Test GPU: 1 cell" in text
-    assert "- run 2: sources 1111111, 2026-01-01, Test GPU: 1 cell" in text
+    assert "| mobilenet_v2 |" in text and text.split("| mobilenet_v2 |")[1].split("\n")[0].endswith("| 1 |")
+    assert text.split("| resnet18 |")[1].split("\n")[0].endswith("| 2 |")
+    assert "- run 1: sources 2222222, 2026-02-01, Test GPU, torch x: 1 cell" in text
+    assert "- run 2: sources 1111111, 2026-01-01, Test GPU, torch x: 1 cell" in text
     # Merged again, with nothing new, the file reads back the same: each cell keeps its run.
     again = tmp_path / "again.json"
     assert cli.main(["bench", "models", "--merge", str(merged), "--json", str(again)]) == 0
     env2, results2 = models_report.read_json(str(again))
     assert env2 == env and [r.environment for r in results2] == [r.environment for r in results]
-    # One run's own file names no run per cell: its environment is the file's.
-    single = json.loads(first.read_text())
+    # One run's file, merged alone, names no run per cell: its environment is the file's.
+    alone, alone_md = tmp_path / "alone.json", tmp_path / "alone.md"
+    assert cli.main(["bench", "models", "--merge", str(first), "--json", str(alone), "--markdown", str(alone_md)]) == 0
+    single = json.loads(alone.read_text())
     assert single["environment"] == run1 and all("environment" not in r for r in single["results"])
+    assert "| run |" not in alone_md.read_text()
+    # Commands of one run, minutes apart (same sources and machine, other dates): one run.
+    later = tmp_path / "later.json"
+    models_report.write_json([_fake_result(a, 4.0)], str(later), "cuda", {**run1, "date_utc": "2026-01-02T00:00:00Z"})
+    same_md = tmp_path / "same.md"
+    assert cli.main(["bench", "models", "--merge", str(first), str(later), "--markdown", str(same_md)]) == 0
+    assert "| run |" not in same_md.read_text()
+
+
+def test_merge_reads_fields_it_does_not_know(tmp_path):
+    """A file from a later version, with a provider field this one lacks, still merges."""
+    cell = models.Cell("resnet18", "cpu", "float32", 1, "nchw", "inference")
+    path = tmp_path / "newer.json"
+    models_report.write_json([_fake_result(cell, 2.0)], str(path), "cpu", {"torch": "x"})
+    data = json.loads(path.read_text())
+    data["results"][0]["providers"]["eager"]["a_later_field"] = 1
+    path.write_text(json.dumps(data))
+    _, results = models_report.read_json(str(path))
+    assert results[0].providers["eager"].ms == 2.0
 
 
 def test_json_is_written_after_every_cell(tmp_path, monkeypatch):

@@ -63,12 +63,20 @@ def read_json(path: str) -> tuple[dict, list[CellResult]]:
     results = [
         CellResult(
             Cell(**r["cell"]),
-            {k: Timed(**v) for k, v in r["providers"].items()},
+            {k: _timed(v) for k, v in r["providers"].items()},
             r.get("environment") or data["environment"],
         )
         for r in data["results"]
     ]
     return data["environment"], results
+
+
+_TIMED_FIELDS = {f.name for f in dataclasses.fields(Timed)}
+
+
+def _timed(entry: dict) -> Timed:
+    # Fields a later version added are skipped: a newer file still merges here.
+    return Timed(**{k: v for k, v in entry.items() if k in _TIMED_FIELDS})
 
 
 def common_environment(results: list[CellResult]) -> dict:
@@ -101,29 +109,40 @@ def write_json(results: list[CellResult], path: str, device: str, env: dict | No
     os.replace(tmp, path)
 
 
-# What tells one run from another: its sources and its machine (a run's cells may have been
-# measured by several commands, minutes apart, each with its own date and load).
-_RUN_KEYS = ("git_commit", "opforge", "torch", "gpu", "cpu", "platform")
+# What tells one run from another: its sources, torch and machine (a run's cells may have been
+# measured by several commands, minutes apart, each with its own date and load). Each is printed
+# in the run's line, so that two runs never read alike.
+_RUN_KEYS = ("git_commit", "torch", "gpu", "cpu")
 
 
 def _run_of(r: CellResult) -> tuple | None:
-    return None if r.environment is None else tuple(r.environment.get(k) for k in _RUN_KEYS)
+    return tuple(r.environment.get(k) for k in _RUN_KEYS) if r.environment else None
 
 
 def _run_line(label: str, members: list[CellResult]) -> str:
     env = members[0].environment
-    commit = (env.get("git_commit") or "unknown")[:7]
+    full = env.get("git_commit") or "unknown"
+    commit = full[:7] + ("-dirty" if full.endswith("-dirty") else "")  # changes not committed
     dates = sorted({r.environment["date_utc"][:10] for r in members if r.environment.get("date_utc")})
     when = f", {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") if dates else ""
     machine = ", ".join(str(env[k]) for k in ("gpu", "cpu") if env.get(k)) or "machine unknown"
     cells = f"{len(members)} cell" + ("s" if len(members) != 1 else "")
-    return f"- run {label}: sources {commit}{when}, {machine}: {cells}"
+    return f"- run {label}: sources {commit}{when}, {machine}, torch {env.get('torch', '?')}: {cells}"
+
+
+def _machine(env: dict, device: str, runs: int) -> str:
+    """The header's machine and torch: the file's, or where runs differ in them, the runs' list."""
+    machine = env.get("gpu") or (env.get("cpu") if device == "cpu" else None)
+    if runs > 1:
+        machine = machine or "machines per run (below)"
+        return f"{machine}; torch {env.get('torch') or 'per run (below)'}"
+    return f"{machine or env.get('cpu', device)}; torch {env.get('torch', '?')}"
 
 
 def write_markdown(results: list[CellResult], path: str, device: str, env: dict | None = None) -> None:
     header, body = rows(results)
     env = environment(device) if env is None else env
-    runs = list(dict.fromkeys(_run_of(r) for r in results if r.environment is not None))  # first-seen order
+    runs = list(dict.fromkeys(_run_of(r) for r in results if r.environment))  # first-seen order
     labels = [str(i + 1) for i in range(len(runs))]
     if len(runs) > 1:  # a merged table: each row says which run measured it
         header = header + ["run"]
@@ -133,7 +152,7 @@ def write_markdown(results: list[CellResult], path: str, device: str, env: dict 
     lines = [
         f"# opforge on whole models ({device})",
         "",
-        f"{env.get('gpu') or env.get('cpu', device)}; torch {env.get('torch', '?')}. Median ms per call "
+        f"{_machine(env, device, len(runs))}. Median ms per call "
         "(inference: forward under no_grad; train: forward + backward + SGD step). "
         "See `opforge bench models --help` and the docstring of opforge/bench/models.py for the method.",
         "",
@@ -144,8 +163,7 @@ def write_markdown(results: list[CellResult], path: str, device: str, env: dict 
     if len(runs) > 1:
         lines += ["", f"Measured in {len(runs)} runs:", ""]
         lines += [
-            _run_line(label, [r for r in results if r.environment and _run_of(r) == run])
-            for label, run in zip(labels, runs, strict=True)
+            _run_line(label, [r for r in results if _run_of(r) == run]) for label, run in zip(labels, runs, strict=True)
         ]
     Path(path).write_text("\n".join(lines) + "\n")
 
