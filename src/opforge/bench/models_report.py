@@ -142,13 +142,11 @@ def _machine(env: dict, device: str, runs: int) -> str:
 def write_markdown(results: list[CellResult], path: str, device: str, env: dict | None = None) -> None:
     header, body = rows(results)
     env = environment(device) if env is None else env
-    runs = list(dict.fromkeys(_run_of(r) for r in results if r.environment))  # first-seen order
-    labels = [str(i + 1) for i in range(len(runs))]
+    # Each run's label, numbered in first-seen order.
+    runs = {run: str(i + 1) for i, run in enumerate(dict.fromkeys(_run_of(r) for r in results if r.environment))}
     if len(runs) > 1:  # a merged table: each row says which run measured it
         header = header + ["run"]
-        body = [
-            b + [labels[runs.index(_run_of(r))] if r.environment else "-"] for b, r in zip(body, results, strict=True)
-        ]
+        body = [b + [runs[_run_of(r)] if r.environment else "-"] for b, r in zip(body, results, strict=True)]
     lines = [
         f"# opforge on whole models ({device})",
         "",
@@ -162,9 +160,7 @@ def write_markdown(results: list[CellResult], path: str, device: str, env: dict 
     lines += ["| " + " | ".join(b) + " |" for b in body]
     if len(runs) > 1:
         lines += ["", f"Measured in {len(runs)} runs:", ""]
-        lines += [
-            _run_line(label, [r for r in results if _run_of(r) == run]) for label, run in zip(labels, runs, strict=True)
-        ]
+        lines += [_run_line(label, [r for r in results if _run_of(r) == run]) for run, label in runs.items()]
     Path(path).write_text("\n".join(lines) + "\n")
 
 
