@@ -2,6 +2,7 @@
 
 import copy
 import sys
+import time
 
 import pytest
 import torch
@@ -478,3 +479,29 @@ def test_compiled_nchw_model_hands_its_own_layout_to_the_fused_convs():
     with torch.no_grad():
         out = torch.compile(fast, fullgraph=True)(x)
         torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_timing_takes_fewer_calls_per_sample_for_a_slow_layer():
+    from opforge import optimize_choice
+
+    def counted(seconds):
+        calls = []
+
+        def fn():
+            calls.append(None)
+            if seconds:
+                time.sleep(seconds)
+
+        return fn, calls
+
+    cpu = torch.device("cpu")
+    fast, fast_calls = counted(0)
+    optimize_choice._median_us(fast, cpu, calls=20, repeats=3)
+    assert len(fast_calls) == 1 + 1 + 3 * 20  # untimed, probe, then full samples
+    fixed, fixed_calls = counted(0.004)
+    optimize_choice._median_us(fixed, cpu, calls=20, repeats=3, sample_s=None)
+    assert len(fixed_calls) == 1 + 3 * 20
+    slow, slow_calls = counted(0.004)
+    us = optimize_choice._median_us(slow, cpu, calls=20, repeats=3, sample_s=0.005)
+    assert len(slow_calls) <= 1 + 1 + 3 * 2  # a 4 ms call: at most two per 5 ms sample
+    assert us >= 4000

@@ -171,9 +171,9 @@ def test_timed_for_real_in_eval_both_versions_run_in_turns(monkeypatch, layers_w
     order = []
     real = optimize_layout._median_us  # the two versions are timed in turns by optimize_layout's clock
 
-    def spy(fn, device, calls, repeats):
+    def spy(fn, device, calls, repeats, sample_s):
         order.append(fn)
-        return real(fn, device, calls=calls, repeats=repeats)
+        return real(fn, device, calls=calls, repeats=repeats, sample_s=sample_s)
 
     monkeypatch.setattr(optimize_layout, "_median_us", spy)
     model = block()

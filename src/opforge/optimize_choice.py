@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import time
 
@@ -144,10 +145,24 @@ def _key(candidate: ConvCandidate | PrepackedCandidate, act: torch.nn.Module | N
     )
 
 
-def _median_us(fn, device: torch.device, calls: int = 20, repeats: int = 7) -> float:
+# A timing sample runs ``calls`` calls, or fewer where one call takes over this / ``calls``: a slow
+# layer (a wide conv on a CPU) is timed as steadily in a few calls, and optimize's wait stays short.
+_SAMPLE_S = 0.005
+
+
+def _median_us(
+    fn, device: torch.device, calls: int = 20, repeats: int = 7, sample_s: float | None = _SAMPLE_S
+) -> float:
+    """fn's median time per call in us over ``repeats`` samples of ``calls`` calls each (fewer calls
+    where a sample would take over ``sample_s``; None: always ``calls``), after one untimed call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
+    if sample_s is not None:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        calls = max(1, min(calls, math.ceil(sample_s / max(time.perf_counter() - t0, 1e-9))))
     samples = []
     for _ in range(repeats):
         sync()

@@ -236,7 +236,7 @@ def _interleaved_us(
         for fn, prepare, samples in ((first, before_each[0], a), (second, before_each[1], b)):
             if prepare is not None:
                 prepare()
-            samples.append(_median_us(fn, device, calls=calls, repeats=1))
+            samples.append(_median_us(fn, device, calls=calls, repeats=1, sample_s=None))
     return statistics.median(a), statistics.median(b)
 
 
