@@ -179,3 +179,44 @@ def test_report_line_counts_what_layers_became():
     line = models.report_line(OptimizeReport(rows, ["NCHW kept"]))
     assert line == "3 of 4 layers changed (2x opforge conv2d_3x3, 1x BatchNorm folded); NCHW kept"
     assert models.report_line(OptimizeReport(rows[3:])) == "0 of 1 layers changed"
+
+
+def test_from_json_redraws_a_saved_run_without_timing(tmp_path, monkeypatch):
+    cell = models.Cell("resnet18", "cpu", "float32", 1, "nchw", "inference")
+    saved, md = tmp_path / "saved.json", tmp_path / "saved.md"
+    models_report.write_json([_fake_result(cell, 4.0)], str(saved), "cpu", {"torch": "x"})
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("--from-json timed a cell")
+
+    monkeypatch.setattr(models, "run_cell", no_timing)
+    from opforge import cli
+
+    assert cli.main(["bench", "models", "--from-json", str(saved), "--markdown", str(md)]) == 0
+    assert "| resnet18 | float32 | 1 | nchw | inference | 4.00 |" in md.read_text()
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["bench", "models", "resnet18"], "takes no OPS (got resnet18); name models with --models"),
+        (["bench", "models", "--dtype", "bf16"], "--dtype is the op benchmark's; use --dtypes"),
+        (["bench", "models", "--mode", "fwd"], "--mode is the op benchmark's; use --modes"),
+        (["bench", "models", "--no-compile"], "choose providers with --providers"),
+        (["bench", "models", "--calls", "5"], "--calls applies to `opforge bench overhead` only"),
+        (["bench", "models", "--from-json", "a.json", "--merge", "b.json"], "give one of them"),
+        (["bench", "models", "--merge", "a.json", "--models", "resnet18"], "--merge runs nothing; --models"),
+        (["bench", "models", "--from-json", "a.json", "--json", "b.json"], "--from-json redraws a saved run"),
+        (["bench", "softmax", "--models", "resnet18"], "--models applies to `opforge bench models` only"),
+        (["bench", "overhead", "--batches", "1", "--image", "64"], "--batches, --image apply to"),
+    ],
+)
+def test_options_that_would_be_ignored_are_refused(argv, said, capsys, monkeypatch):
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a refused command timed something")
+
+    monkeypatch.setattr(models, "run_cell", no_timing)
+    from opforge import cli
+
+    assert cli.main(argv) == 2
+    assert said in capsys.readouterr().out

@@ -106,10 +106,15 @@ def run_bench(args) -> int:
 
     from . import harness, models_cli, overhead_cli, report
 
-    if overhead_cli.wanted(args):
-        return overhead_cli.run(args)
     if models_cli.wanted(args):
         return models_cli.run(args)
+    stray = models_cli.own_options_given(args)
+    if stray:
+        verb = "applies" if len(stray) == 1 else "apply"
+        print(f"opforge bench: {', '.join(stray)} {verb} to `opforge bench models` only")
+        return 2
+    if overhead_cli.wanted(args):
+        return overhead_cli.run(args)
     if args.from_json:
         if args.ops or args.dtype or args.mode or args.quick or args.json:
             print("opforge bench: --from-json redraws a saved run; it takes no ops, --dtype, --mode, --quick or --json")

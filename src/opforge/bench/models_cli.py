@@ -43,8 +43,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+_CELL_OPTIONS = ("models", "batches", "dtypes", "layouts", "modes", "providers")
+
+
 def wanted(args) -> bool:
     return bool(args.ops) and args.ops[0] == NAME
+
+
+def own_options_given(args) -> list[str]:
+    """This command's options set on the command line, so that another ``bench`` can refuse them."""
+    given = [f"--{n}" for n in (*_CELL_OPTIONS, "merge") if getattr(args, n) is not None]
+    return given + (["--image"] if args.image != 224 else [])
+
+
+def _misused(args) -> str | None:
+    """What in ``args`` this command would otherwise ignore, said with what it takes instead."""
+    if len(args.ops) > 1:
+        return f"takes no OPS (got {' '.join(args.ops[1:])}); name models with --models"
+    instead = {"dtype": "--dtypes", "mode": "--modes (inference,train)"}
+    for name, other in instead.items():
+        if getattr(args, name):
+            return f"--{name} is the op benchmark's; use {other}"
+    if not args.compile:
+        return "--no-compile is the op benchmark's; choose providers with --providers (e.g. eager,optimize)"
+    extra = [f"--{n}" for n in ("calls", "repeats", "threads") if getattr(args, n) is not None]
+    if extra:
+        return f"{', '.join(extra)} {'applies' if len(extra) == 1 else 'apply'} to `opforge bench overhead` only"
+    if args.from_json and args.merge:
+        return "--from-json redraws one saved run and --merge several: give one of them"
+    if args.from_json or args.merge:
+        option = "--from-json" if args.from_json else "--merge"
+        selecting = [f"--{n}" for n in _CELL_OPTIONS if getattr(args, n) is not None]
+        selecting += ["--image"] if args.image != 224 else []
+        selecting += ["--quick"] if args.quick else []
+        if selecting:
+            return f"{option} runs nothing; {', '.join(selecting)} would select cells to run"
+        if args.from_json and args.json:
+            return "--from-json redraws a saved run; write a merged JSON with --merge PATH --json OUT"
+    return None
 
 
 def run(args) -> int:
@@ -52,6 +88,12 @@ def run(args) -> int:
 
     from . import machine, models, models_report
 
+    problem = _misused(args)
+    if problem:
+        print(f"opforge bench {NAME}: {problem}")
+        return 2
+    if args.from_json:
+        args.merge = [args.from_json]
     if args.merge:
         return _merge(args, models_report)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
