@@ -220,3 +220,13 @@ def test_options_that_would_be_ignored_are_refused(argv, said, capsys, monkeypat
 
     assert cli.main(argv) == 2
     assert said in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--batches", "x"], ["--batches", "0,1"], ["--image", "-3"], ["--image", "1,2"]])
+def test_cell_sizes_must_be_positive_integers(argv, capsys):
+    from opforge import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "models", *argv])
+    assert exit_info.value.code == 2
+    assert f"argument {argv[0]}: expected a positive integer" in capsys.readouterr().err

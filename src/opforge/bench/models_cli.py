@@ -20,6 +20,19 @@ def _csv(choices):
     return parse
 
 
+def _positive_ints(text: str) -> list[int]:
+    items = [t for t in text.split(",") if t]
+    if not items or not all(t.isdigit() and int(t) > 0 for t in items):
+        raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list of them, got {text!r}")
+    return [int(t) for t in items]
+
+
+def _positive_int(text: str) -> int:
+    if not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         f"opforge bench {NAME}",
@@ -27,12 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "opforge.optimize and both together",
     )
     g.add_argument("--models", type=_csv(MODELS), default=None, help=f"default: {','.join(MODELS)}")
-    g.add_argument("--batches", type=_csv(()), default=None, help="default: 1,64 on CUDA, 1 on CPU")
+    g.add_argument("--batches", type=_positive_ints, default=None, help="default: 1,64 on CUDA, 1 on CPU")
     g.add_argument("--dtypes", type=_csv(("float32", "bfloat16")), default=None, help="default: both (CPU: float32)")
     g.add_argument("--layouts", type=_csv(("channels_last", "nchw")), default=None, help="default: both")
     g.add_argument("--modes", type=_csv(("inference", "train")), default=None, help="default: both")
     g.add_argument("--providers", type=_csv(PROVIDERS), default=None, help="default: all that apply")
-    g.add_argument("--image", type=int, default=224, help="input height and width (default 224)")
+    g.add_argument("--image", type=_positive_int, default=224, help="input height and width (default 224)")
     g.add_argument(
         "--merge",
         nargs="+",
@@ -105,7 +118,7 @@ def run(args) -> int:
     except ImportError:
         print(f"opforge bench {NAME}: needs torchvision (pip install torchvision)")
         return 2
-    batches = [int(b) for b in args.batches] if args.batches else ([1, 64] if device == "cuda" else [1])
+    batches = args.batches or ([1, 64] if device == "cuda" else [1])
     todo = models.cells(
         [device],
         args.models or (list(MODELS[:1]) if args.quick else list(MODELS)),
