@@ -338,6 +338,17 @@ def test_bad_model_argument():
         opforge.optimize(scripted)
 
 
+def test_example_inputs_given_bare_or_as_a_list_mean_one_batch():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    randomize_batchnorm(model)
+    x = torch.randn(2, 3, 10, 10)
+    for given in (x, [x]):
+        _, report = opforge.optimize(model, example_inputs=given, report=True)
+        assert [("measured" in layer.reason) for layer in report.layers] == [True]
+    with pytest.raises(TypeError, match="example_inputs must be a tuple of the model's positional inputs"):
+        opforge.optimize(model, example_inputs=5)
+
+
 @pytest.fixture
 def layout_kept(monkeypatch):
     """No model-level layout choice: the tests that count the layer timings optimize each layer

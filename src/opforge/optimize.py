@@ -122,6 +122,15 @@ def optimize(
             "opforge.optimize: model is a TorchScript module, whose compiled code no layer can be swapped "
             "into; optimize the nn.Module, then trace (torch.jit.trace) or export (torch.export) the result"
         )
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)  # one input given bare, as torch.jit.trace takes it
+    elif isinstance(example_inputs, list):
+        example_inputs = tuple(example_inputs)
+    elif example_inputs is not None and not isinstance(example_inputs, tuple):
+        raise TypeError(
+            "opforge.optimize: example_inputs must be a tuple of the model's positional inputs "
+            f"(one batch, as the model is called: (x,)), got {type(example_inputs).__name__}"
+        )
     out = model if inplace else copy.deepcopy(model)
     notes = []
     if example_inputs is None or force:
