@@ -209,6 +209,13 @@ def test_from_json_redraws_a_saved_run_without_timing(tmp_path, monkeypatch):
         (["bench", "models", "--from-json", "a.json", "--json", "b.json"], "--from-json redraws a saved run"),
         (["bench", "softmax", "--models", "resnet18"], "--models applies to `opforge bench models` only"),
         (["bench", "overhead", "--batches", "1", "--image", "64"], "--batches, --image apply to"),
+        (["bench", "softmax", "--image", "224"], "--image applies to `opforge bench models` only"),
+        (["bench", "models", "--repeats", "3", "--threads", "1"], "--repeats, --threads apply to `opforge bench"),
+        (["bench", "softmax", "--threads", "1"], "--threads applies to `opforge bench overhead` only"),
+        (["bench", "overhead", "--from-json", "a.json", "--calls", "5"], "--from-json redraws a saved run"),
+        (["bench", "--from-json", "a.json", "--no-compile"], "--from-json redraws a saved run"),
+        (["bench", "models", "--merge", "a.json", "--device", "cpu"], "--merge runs nothing; --device"),
+        (["bench", "models", "--from-json", "a.json", "--quick"], "--from-json runs nothing; --quick"),
     ],
 )
 def test_options_that_would_be_ignored_are_refused(argv, said, capsys, monkeypatch):
@@ -222,7 +229,9 @@ def test_options_that_would_be_ignored_are_refused(argv, said, capsys, monkeypat
     assert said in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--batches", "x"], ["--batches", "0,1"], ["--image", "-3"], ["--image", "1,2"]])
+@pytest.mark.parametrize(
+    "argv", [["--batches", "x"], ["--batches", "0,1"], ["--batches", ","], ["--image", "-3"], ["--image", "1,2"]]
+)
 def test_cell_sizes_must_be_positive_integers(argv, capsys):
     from opforge import cli
 
@@ -230,3 +239,35 @@ def test_cell_sizes_must_be_positive_integers(argv, capsys):
         cli.main(["bench", "models", *argv])
     assert exit_info.value.code == 2
     assert f"argument {argv[0]}: expected a positive integer" in capsys.readouterr().err
+
+
+def test_sizes_reach_the_cells_and_defaults_refuse_nothing(monkeypatch):
+    from opforge import cli
+    from opforge.bench import cli_args, models_cli, overhead_cli
+
+    defaults = cli_args.demo_args()
+    assert models_cli.own_options_given(defaults) == [] and overhead_cli.own_options_given(defaults) == []
+    ran = []
+
+    def fake_run_cell(cell, calls, repeats, only=()):
+        ran.append(cell)
+        return _fake_result(cell, 2.0)
+
+    monkeypatch.setattr(models, "run_cell", fake_run_cell)
+    argv = ["bench", "models", "--device", "cpu", "--models", "resnet18", "--layouts", "nchw", "--modes", "inference"]
+    assert cli.main(argv + ["--batches", "1, 2", "--image", " 64", "--no-progress"]) == 0
+    assert [(c.batch, c.image) for c in ran] == [(1, 64), (2, 64)]
+    ran.clear()
+    assert cli.main(argv + ["--no-progress"]) == 0
+    assert [(c.batch, c.image) for c in ran] == [(1, 224)]
+
+
+def test_from_json_of_another_kind_is_refused(tmp_path, capsys):
+    from opforge import cli
+
+    other = tmp_path / "ops.json"
+    other.write_text(json.dumps({"schema": "opforge-bench/1", "results": []}))
+    assert cli.main(["bench", "models", "--from-json", str(other)]) == 2
+    assert "not an opforge bench models result" in capsys.readouterr().out
+    assert cli.main(["bench", "models", "--from-json", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().out

@@ -101,7 +101,7 @@ from .optimize_train_chain import train_chain
 def optimize(
     model: torch.nn.Module,
     *,
-    example_inputs: tuple | None = None,
+    example_inputs: tuple | list | torch.Tensor | None = None,
     inplace: bool = False,
     report: bool = False,
     force: bool = False,

@@ -115,9 +115,17 @@ def run_bench(args) -> int:
         return 2
     if overhead_cli.wanted(args):
         return overhead_cli.run(args)
+    stray = overhead_cli.own_options_given(args)
+    if stray:
+        verb = "applies" if len(stray) == 1 else "apply"
+        print(f"opforge bench: {', '.join(stray)} {verb} to `opforge bench overhead` only")
+        return 2
     if args.from_json:
-        if args.ops or args.dtype or args.mode or args.quick or args.json:
-            print("opforge bench: --from-json redraws a saved run; it takes no ops, --dtype, --mode, --quick or --json")
+        if args.ops or args.device or args.dtype or args.mode or args.quick or not args.compile or args.json:
+            print(
+                "opforge bench: --from-json redraws a saved run; it takes no ops, --device, --dtype, --mode, "
+                "--quick, --no-compile or --json"
+            )
             return 2
         run = report.read_json(args.from_json)
         return _write_outputs(run, args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import overhead_cli
 from .models_spec import MODELS, PROVIDERS
 
 NAME = "models"
@@ -20,17 +21,24 @@ def _csv(choices):
     return parse
 
 
-def _positive_ints(text: str) -> list[int]:
-    items = [t for t in text.split(",") if t]
-    if not items or not all(t.isdigit() and int(t) > 0 for t in items):
-        raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list of them, got {text!r}")
-    return [int(t) for t in items]
-
-
 def _positive_int(text: str) -> int:
-    if not (text.isdigit() and int(text) > 0):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
+    return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    items = [t for t in text.split(",") if t.strip()]
+    try:
+        if items:
+            return [_positive_int(t) for t in items]
+    except argparse.ArgumentTypeError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list of them, got {text!r}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layouts", type=_csv(("channels_last", "nchw")), default=None, help="default: both")
     g.add_argument("--modes", type=_csv(("inference", "train")), default=None, help="default: both")
     g.add_argument("--providers", type=_csv(PROVIDERS), default=None, help="default: all that apply")
-    g.add_argument("--image", type=_positive_int, default=224, help="input height and width (default 224)")
+    g.add_argument("--image", type=_positive_int, default=None, help="input height and width (default 224)")
     g.add_argument(
         "--merge",
         nargs="+",
@@ -65,8 +73,7 @@ def wanted(args) -> bool:
 
 def own_options_given(args) -> list[str]:
     """This command's options set on the command line, so that another ``bench`` can refuse them."""
-    given = [f"--{n}" for n in (*_CELL_OPTIONS, "merge") if getattr(args, n) is not None]
-    return given + (["--image"] if args.image != 224 else [])
+    return [f"--{n}" for n in (*_CELL_OPTIONS, "image", "merge") if getattr(args, n) is not None]
 
 
 def _misused(args) -> str | None:
@@ -79,15 +86,14 @@ def _misused(args) -> str | None:
             return f"--{name} is the op benchmark's; use {other}"
     if not args.compile:
         return "--no-compile is the op benchmark's; choose providers with --providers (e.g. eager,optimize)"
-    extra = [f"--{n}" for n in ("calls", "repeats", "threads") if getattr(args, n) is not None]
+    extra = overhead_cli.own_options_given(args)
     if extra:
         return f"{', '.join(extra)} {'applies' if len(extra) == 1 else 'apply'} to `opforge bench overhead` only"
     if args.from_json and args.merge:
         return "--from-json redraws one saved run and --merge several: give one of them"
     if args.from_json or args.merge:
         option = "--from-json" if args.from_json else "--merge"
-        selecting = [f"--{n}" for n in _CELL_OPTIONS if getattr(args, n) is not None]
-        selecting += ["--image"] if args.image != 224 else []
+        selecting = [f"--{n}" for n in (*_CELL_OPTIONS, "image", "device") if getattr(args, n) is not None]
         selecting += ["--quick"] if args.quick else []
         if selecting:
             return f"{option} runs nothing; {', '.join(selecting)} would select cells to run"
@@ -126,7 +132,7 @@ def run(args) -> int:
         batches,
         args.layouts or ["channels_last", "nchw"],
         args.modes or (["inference"] if args.quick else ["inference", "train"]),
-        args.image,
+        args.image or 224,
     )
     calls, repeats = (3, 3) if args.quick else (10, 5)
     load_at_start = machine.load_average()
@@ -152,7 +158,11 @@ def run(args) -> int:
 def _merge(args, models_report) -> int:
     by_cell, replaced = {}, 0
     for path in args.merge:
-        _, r = models_report.read_json(path)
+        try:
+            _, r = models_report.read_json(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"opforge bench {NAME}: cannot read {path}: {e}")
+            return 2
         for result in r:
             # A rerun of a cell replaces it in place: the table keeps the first file's order.
             replaced += result.cell in by_cell

@@ -34,6 +34,11 @@ def wanted(args) -> bool:
     return bool(args.ops) and args.ops[0] == NAME
 
 
+def own_options_given(args) -> list[str]:
+    """This command's options set on the command line, so that another ``bench`` can refuse them."""
+    return [f"--{n}" for n in ("calls", "repeats", "threads") if getattr(args, n) is not None]
+
+
 def run(args) -> int:
     """Runs (or, with --from-json, redraws) the overhead benchmark; 1 if any row was WRONG or failed."""
     import torch
@@ -46,8 +51,11 @@ def run(args) -> int:
         print(f"opforge bench {NAME}: {', '.join(others)} {'does' if len(others) == 1 else 'do'} not apply to it")
         return 2
     if args.from_json:
-        if args.json or len(args.ops) > 1:
-            print(f"opforge bench {NAME}: --from-json redraws a saved run; it takes no OPS or --json")
+        if args.json or len(args.ops) > 1 or args.quick or args.device or own_options_given(args):
+            print(
+                f"opforge bench {NAME}: --from-json redraws a saved run; it takes no OPS, --json, --device, "
+                "--quick, --calls, --repeats or --threads"
+            )
             return 2
         import json
         from pathlib import Path
