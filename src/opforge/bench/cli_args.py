@@ -106,20 +106,14 @@ def run_bench(args) -> int:
 
     from . import harness, models_cli, overhead_cli, report
 
-    if models_cli.wanted(args):
-        return models_cli.run(args)
-    stray = models_cli.own_options_given(args)
-    if stray:
-        verb = "applies" if len(stray) == 1 else "apply"
-        print(f"opforge bench: {', '.join(stray)} {verb} to `opforge bench models` only")
-        return 2
-    if overhead_cli.wanted(args):
-        return overhead_cli.run(args)
-    stray = overhead_cli.own_options_given(args)
-    if stray:
-        verb = "applies" if len(stray) == 1 else "apply"
-        print(f"opforge bench: {', '.join(stray)} {verb} to `opforge bench overhead` only")
-        return 2
+    for command in (models_cli, overhead_cli):
+        if command.wanted(args):
+            return command.run(args)
+        stray = command.own_options_given(args)
+        if stray:
+            verb = "applies" if len(stray) == 1 else "apply"
+            print(f"opforge bench: {', '.join(stray)} {verb} to `opforge bench {command.NAME}` only")
+            return 2
     if args.from_json:
         if args.ops or args.device or args.dtype or args.mode or args.quick or not args.compile or args.json:
             print(
