@@ -106,14 +106,16 @@ def run_bench(args) -> int:
 
     from . import harness, models_cli, overhead_cli, report
 
-    for command in (models_cli, overhead_cli):
-        if command.wanted(args):
-            return command.run(args)
-        stray = command.own_options_given(args)
+    commands = (models_cli, overhead_cli)
+    chosen = next((command for command in commands if command.wanted(args)), None)
+    for command in commands:
+        stray = command.own_options_given(args) if command is not chosen else []
         if stray:
             verb = "applies" if len(stray) == 1 else "apply"
             print(f"opforge bench: {', '.join(stray)} {verb} to `opforge bench {command.NAME}` only")
             return 2
+    if chosen is not None:
+        return chosen.run(args)
     if args.from_json:
         if args.ops or args.device or args.dtype or args.mode or args.quick or not args.compile or args.json:
             print(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from . import overhead_cli
 from .models_spec import MODELS, PROVIDERS
 
 NAME = "models"
@@ -21,24 +20,25 @@ def _csv(choices):
     return parse
 
 
-def _positive_int(text: str) -> int:
+def _int_or_zero(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        value = 0
+        return 0
+
+
+def _positive_int(text: str) -> int:
+    value = _int_or_zero(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
 def _positive_ints(text: str) -> list[int]:
-    items = [t for t in text.split(",") if t.strip()]
-    try:
-        if items:
-            return [_positive_int(t) for t in items]
-    except argparse.ArgumentTypeError:
-        pass
-    raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list of them, got {text!r}")
+    values = [_int_or_zero(t) for t in text.split(",") if t.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or a comma-separated list of them, got {text!r}")
+    return values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,9 +86,6 @@ def _misused(args) -> str | None:
             return f"--{name} is the op benchmark's; use {other}"
     if not args.compile:
         return "--no-compile is the op benchmark's; choose providers with --providers (e.g. eager,optimize)"
-    extra = overhead_cli.own_options_given(args)
-    if extra:
-        return f"{', '.join(extra)} {'applies' if len(extra) == 1 else 'apply'} to `opforge bench overhead` only"
     if args.from_json and args.merge:
         return "--from-json redraws one saved run and --merge several: give one of them"
     if args.from_json or args.merge:
